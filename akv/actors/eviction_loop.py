@@ -1,0 +1,111 @@
+"""Eviction loop: a control loop that keeps every shard's free fraction above the low watermark.
+
+The shards publish their free fraction after every message and set a wake-up
+event when it drops below ``low_watermark``. The loop then asks that shard to
+evict least recently used cached leaves in batches of
+``eviction_batch_blocks`` until its free fraction reaches ``high_watermark``
+or nothing is left to evict, logging one ``eviction.batch`` line per batch.
+It asks only the shards (which ask only the tree), so no ask cycle exists.
+
+Eviction here is pressure relief, not an error path: an allocation that finds
+too few free blocks also evicts on demand inside its shard.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import structlog
+
+from akv.actors.messages import Evict
+from akv.actors.pool_shard import PoolShardActor
+from akv.errors import AkvError
+
+
+@dataclass(kw_only=True, slots=True)
+class EvictionStats:
+    """Counters of the eviction loop (units: blocks, batches, wake-ups, seconds)."""
+
+    wakeups: int = 0
+    batches: int = 0
+    blocks: int = 0
+    busy_s: float = 0.0
+
+
+class EvictionLoop:
+    """Background evictor for a set of shards.
+
+    Args:
+        shards: The pool shard actors.
+        low_watermark: Free fraction that triggers eviction (0.0-1.0).
+        high_watermark: Free fraction to refill to (0.0-1.0).
+        batch_blocks: Blocks per eviction batch.
+        logger: structlog logger.
+    """
+
+    def __init__(
+        self,
+        shards: list[PoolShardActor],
+        *,
+        low_watermark: float,
+        high_watermark: float,
+        batch_blocks: int,
+        logger: Any = None,
+    ) -> None:
+        self.shards = shards
+        self.low_watermark = low_watermark
+        self.high_watermark = high_watermark
+        self.batch_blocks = batch_blocks
+        self.log = (logger or structlog.get_logger("akv")).bind(actor="eviction_loop")
+        self.stats = EvictionStats()
+        self._wake = anyio.Event()
+        self._stopping = False
+
+    def wake(self) -> None:
+        """Ask for a pass soon (non-blocking; safe to call from any actor on the loop)."""
+        self._wake.set()
+
+    def stop(self) -> None:
+        """End the loop after the current batch."""
+        self._stopping = True
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Serve wake-ups until :meth:`stop`."""
+        while not self._stopping:
+            await self._wake.wait()
+            self._wake = anyio.Event()
+            if self._stopping:
+                break
+            self.stats.wakeups += 1
+            for shard in self.shards:
+                await self._relieve(shard)
+
+    async def _relieve(self, shard: PoolShardActor) -> None:
+        num_blocks = shard.state.pool.num_blocks
+        while not self._stopping and shard.free_fraction < self.high_watermark:
+            target = int(self.high_watermark * num_blocks + 0.999999) - int(shard.free_fraction * num_blocks)
+            want = max(1, min(self.batch_blocks, target))
+            before = 1.0 - shard.free_fraction
+            t0 = time.perf_counter()
+            try:
+                evicted = await shard.ask(Evict(want))
+            except AkvError:
+                return  # the shard is stopping; the manager reports why
+            elapsed = time.perf_counter() - t0
+            if not evicted:
+                return
+            self.stats.batches += 1
+            self.stats.blocks += evicted
+            self.stats.busy_s += elapsed
+            self.log.info(
+                "eviction.batch",
+                shard=shard.state.shard_index,
+                blocks=evicted,
+                usage_before=round(before, 4),
+                usage_after=round(1.0 - shard.free_fraction, 4),
+                elapsed_s=round(elapsed, 6),
+            )

@@ -1,0 +1,41 @@
+"""Messages served by the pool shard actor (frozen, slotted dataclasses)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from akv.core.step import StepRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """Apply a :class:`~akv.core.step.StepRequest`; reply ``StepOutcome`` plus a copy ticket."""
+
+    request: StepRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Evict:
+    """Evict up to ``max_blocks`` cached blocks; reply the number evicted."""
+
+    max_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class Inspect:
+    """Reply a :class:`~akv.actors.pool_shard.SequenceInfo` snapshot of one sequence."""
+
+    seq_id: Hashable
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """Reply a :class:`~akv.actors.pool_shard.ShardStats` snapshot (after settling finished copies)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """Run the full consistency check against the tree's block ids; reply None or raise."""
+
+    tree_block_ids: tuple[int, ...] | None = None

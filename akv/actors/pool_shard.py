@@ -1,0 +1,190 @@
+"""Pool shard actor: owns one shard's blocks, refcounts, free queue, LRU and sequences.
+
+A thin shell around :class:`~akv.core.shard_state.ShardState`: it decodes a
+message, runs one core method, and answers the tree operations that method
+yields by asking the prefix-tree actor (the only actor it asks). Copy-on-write
+copies go to the stream worker's executor (a non-blocking, thread-safe
+submit), and their source blocks stay pinned until the copy has run.
+
+After every message it publishes its free fraction and, below the low
+watermark, wakes the eviction loop (a hint through an event, not an ask).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+from akv.actors.messages import Check, Evict, Inspect, Stats, Step
+from akv.actors.prefix_tree import PrefixTreeActor
+from akv.actors.runtime import Actor
+from akv.core.shard_state import ShardCounters, ShardState, TreeGen
+from akv.core.step import StepOutcome
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SequenceInfo:
+    """Snapshot of one sequence.
+
+    Attributes:
+        seq_id: The sequence.
+        shard: Its shard index.
+        num_tokens: Tokens in its history.
+        num_computed: Tokens committed by the runner.
+        num_cached_tokens: Prompt tokens served from the prefix cache at admission.
+        num_published_blocks: Leading blocks in the prefix cache as its own.
+        block_ids: Its block table (logical order).
+        token_ids: Its token history.
+        parent_id: Parent if forked.
+    """
+
+    seq_id: Hashable
+    shard: int
+    num_tokens: int
+    num_computed: int
+    num_cached_tokens: int
+    num_published_blocks: int
+    block_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    parent_id: Hashable | None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShardStats:
+    """Snapshot of one shard (units: blocks unless named otherwise)."""
+
+    shard: int
+    num_blocks: int
+    free: int
+    active: int
+    cached: int
+    in_flight: int
+    num_sequences: int
+    counters: ShardCounters
+    max_inbox_depth: int
+
+
+class PoolShardActor(Actor):
+    """Owns a :class:`ShardState`.
+
+    Args:
+        state: The shard's core state (owned from now on by this actor alone).
+        tree: The prefix-tree actor.
+        copy_executor: Stream worker executor with ``submit(src, dst) -> ticket``.
+        low_watermark: Free fraction below which ``wake_eviction`` is called.
+        wake_eviction: Callback that wakes the eviction loop (must not block).
+        debug_invariants: Run the O(1) conservation check after every message.
+        inbox_capacity: Inbox bound (messages).
+        logger: structlog logger.
+    """
+
+    def __init__(
+        self,
+        state: ShardState,
+        tree: PrefixTreeActor,
+        copy_executor: Any,
+        *,
+        low_watermark: float,
+        wake_eviction: Callable[[], None],
+        debug_invariants: bool,
+        inbox_capacity: int,
+        logger: Any = None,
+    ) -> None:
+        super().__init__(f"pool_shard_{state.shard_index}", inbox_capacity, logger)
+        self.log = self.log.bind(shard=state.shard_index)
+        self.state = state
+        self.tree = tree
+        self.copy_executor = copy_executor
+        self.low_watermark = low_watermark
+        self.wake_eviction = wake_eviction
+        self.debug_invariants = debug_invariants
+        self._pinned: list[tuple[Any, list[int]]] = []  # (ticket, source blocks)
+        #: Free fraction after the last message (0.0-1.0), read by the eviction loop.
+        self.free_fraction = 1.0
+        #: Referenced (active) plus in-flight blocks after the last message.
+        self.blocks_in_use = 0
+
+    async def handle(self, msg: Any) -> Any:
+        """Serve :class:`Step`, :class:`Evict`, :class:`Inspect`, :class:`Stats` or :class:`Check`."""
+        self._settle_copies()
+        if isinstance(msg, Step):
+            outcome: StepOutcome = await self._drive(self.state.step(msg.request))
+            ticket = None
+            if outcome.copies:
+                src = [s for s, _ in outcome.copies]
+                dst = [d for _, d in outcome.copies]
+                ticket = self.copy_executor.submit(src, dst)
+                self._pinned.append((ticket, src))
+                self.log.debug("cow.copy", blocks=len(src), src_block_ids=src[:16], dst_block_ids=dst[:16])
+            result: Any = (outcome, ticket)
+        elif isinstance(msg, Evict):
+            result = await self._drive(self.state.evict(msg.max_blocks))
+        elif isinstance(msg, Inspect):
+            result = self._inspect(msg.seq_id)
+        elif isinstance(msg, Stats):
+            result = self._stats()
+        elif isinstance(msg, Check):
+            self.state.check(msg.tree_block_ids)
+            result = None
+        else:
+            raise TypeError(f"{self.name}: unknown message {type(msg).__name__}")
+        self._after()
+        return result
+
+    async def _drive(self, gen: TreeGen) -> Any:
+        try:
+            ops = next(gen)
+            while True:
+                ops = gen.send(await self.tree.ask(ops))
+        except StopIteration as stop:
+            return stop.value
+
+    def _settle_copies(self) -> None:
+        if not self._pinned:
+            return
+        keep = []
+        for ticket, src in self._pinned:
+            if ticket.done():
+                self.state.release_copy_sources(src)
+            else:
+                keep.append((ticket, src))
+        self._pinned = keep
+
+    def _after(self) -> None:
+        pool = self.state.pool
+        self.free_fraction = pool.num_free / pool.num_blocks
+        self.blocks_in_use = pool.num_active + pool.num_in_flight
+        if self.free_fraction < self.low_watermark and pool.num_cached:
+            self.wake_eviction()
+        if self.debug_invariants:
+            self.state.check_counters()
+
+    def _inspect(self, seq_id: Hashable) -> SequenceInfo:
+        seq = self.state.get(seq_id)
+        return SequenceInfo(
+            seq_id=seq.seq_id,
+            shard=self.state.shard_index,
+            num_tokens=seq.num_tokens,
+            num_computed=seq.num_computed,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_published_blocks=seq.num_published,
+            block_ids=tuple(seq.block_ids.tolist()),
+            token_ids=tuple(seq.tokens.tolist()),
+            parent_id=seq.parent_id,
+        )
+
+    def _stats(self) -> ShardStats:
+        pool = self.state.pool
+        c = self.state.counters
+        return ShardStats(
+            shard=self.state.shard_index,
+            num_blocks=pool.num_blocks,
+            free=pool.num_free,
+            active=pool.num_active,
+            cached=pool.num_cached,
+            in_flight=pool.num_in_flight,
+            num_sequences=len(self.state.sequences),
+            counters=ShardCounters(**{f: getattr(c, f) for f in c.__slots__}),
+            max_inbox_depth=self.max_inbox_depth,
+        )

@@ -1,0 +1,152 @@
+"""The ``akv`` command line: ``akv replay`` (the main job) and friends.
+
+This is an application, so it configures logging (library code never does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import anyio
+
+from akv.config import MODEL_SHAPES, KVCacheConfig, model_shape
+from akv.errors import AkvError, TraceError
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="akv", description="Paged KV cache manager for LLM inference.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    rp = sub.add_parser(
+        "replay",
+        help="replay a Mooncake request trace through the KV cache manager",
+        description=(
+            "Replay a Mooncake JSONL request trace through a continuous-batching scheduler "
+            "driving a KVCacheManager. With no TRACE, replays the first 3,000 requests of the "
+            "Mooncake conversation trace shipped inside the package."
+        ),
+    )
+    rp.add_argument("trace", nargs="?", type=Path, help="Mooncake JSONL trace (.jsonl or .jsonl.gz)")
+    rp.add_argument("--limit", type=_positive_int, help="replay only the first N requests")
+    rp.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block (default 16)")
+    size = rp.add_mutually_exclusive_group()
+    size.add_argument("--num-blocks", type=_positive_int, help="blocks in the pool")
+    size.add_argument("--pool-gib", type=float, help="pool size in GiB (blocks = GiB / bytes per block)")
+    rp.add_argument(
+        "--model",
+        default="tiny",
+        choices=sorted(MODEL_SHAPES),
+        help="attention shape preset (default tiny: real CPU tensors; real shapes suit --storage none)",
+    )
+    rp.add_argument(
+        "--storage",
+        choices=("none", "cpu", "cuda"),
+        default=None,
+        help="where K/V tensors live: none = metadata only (default: cpu for tiny, none otherwise)",
+    )
+    rp.add_argument("--max-batch", type=_positive_int, default=256, help="running sequences at most (default 256)")
+    rp.add_argument("--step-ms", type=float, default=20.0, help="simulated ms per decode step (default 20)")
+    rp.add_argument("--max-output-tokens", type=int, default=None, help="cap each request's output length")
+    rp.add_argument("--shards", type=_positive_int, default=1, help="pool shards (default 1)")
+    rp.add_argument("--seed", type=int, default=0, help="seed of the synthesized token ids (default 0)")
+    rp.add_argument("--json", type=Path, dest="json_path", help="write the report as JSON to this path")
+    rp.add_argument("--log-json", type=Path, help="write structured logs as JSON lines to this path")
+    rp.add_argument("--log-level", default="warning", help="console log level (default warning)")
+    rp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def _configure_logging(level: str, log_json: Path | None) -> object:
+    """Send structlog events to the console (at ``level``) and, optionally, a JSON-lines file."""
+    from akv.obs.logging import configure_logging
+
+    return configure_logging(level=level, json_path=log_json)
+
+
+def _replay_config(args: argparse.Namespace) -> KVCacheConfig:
+    shape = model_shape(args.model)
+    storage = args.storage or ("cpu" if args.model == "tiny" else "none")
+    block_bytes = shape.bytes_per_block(args.block_size)
+    if args.num_blocks is not None:
+        num_blocks = args.num_blocks
+    elif args.pool_gib is not None:
+        if args.pool_gib <= 0:
+            raise ValueError("--pool-gib must be positive")
+        num_blocks = int(args.pool_gib * 2**30 // block_bytes)
+    else:
+        num_blocks = 32_768 if storage != "none" or args.model == "tiny" else int(64 * 2**30 // block_bytes)
+    if num_blocks < 1:
+        raise ValueError(f"the pool holds no block of {block_bytes} bytes")
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        block_size=args.block_size,
+        model=shape,
+        storage="none" if storage == "none" else "tensors",
+        device=storage if storage != "none" else "cpu",
+        num_shards=args.shards,
+    )
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from akv.manager import KVCacheManager
+    from akv.replay import ReplayOptions, replay
+    from akv.replay.report import print_summary
+    from akv.trace import default_trace_path, read_trace
+
+    path = args.trace or default_trace_path()
+    requests = read_trace(path, limit=args.limit)
+    config = _replay_config(args)
+    options = ReplayOptions(max_batch=args.max_batch, step_ms=args.step_ms, max_output_tokens=args.max_output_tokens, seed=args.seed)
+
+    async def run() -> object:
+        async with KVCacheManager(config) as kv:
+            from akv.replay.report import progress_bar
+
+            with progress_bar(len(requests), enabled=not args.no_progress) as progress:
+                return await replay(kv, requests, options, progress=progress)
+
+    report = anyio.run(run)
+    print_summary(report, config, path)
+    if args.json_path is not None:
+        data = report.as_json()
+        data.update(
+            trace=str(path),
+            model=config.model.name,
+            storage=config.storage,
+            pool_bytes=config.pool_bytes,
+            bytes_per_block=config.bytes_per_block,
+        )
+        args.json_path.write_text(json.dumps(data, indent=2) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``akv`` command. Returns the exit code (0 ok, 2 bad input)."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        _configure_logging(args.log_level, getattr(args, "log_json", None))
+        if args.command == "replay":
+            return _cmd_replay(args)
+    except TraceError as exc:
+        print(f"akv: error: {exc}", file=sys.stderr)
+        return 2
+    except (AkvError, ValueError, OSError) as exc:
+        print(f"akv: error: {exc}", file=sys.stderr)
+        return 2
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Configuration of a :class:`~akv.manager.KVCacheManager` and model shape presets.
+
+Everything is a frozen, keyword-only, slotted dataclass validated in
+``__post_init__`` with :class:`ValueError` (never ``assert``). No torch import:
+dtypes are named by string and resolved by :mod:`akv.storage`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelShape:
+    """The attention shape that sizes one block of K/V.
+
+    Args:
+        name: Preset name, for reports.
+        num_layers: Attention layers (one K/V tensor each).
+        num_kv_heads: Key/value heads per layer (after grouped-query sharing).
+        head_dim: Elements per head.
+        dtype: Element type name: ``float32``, ``float16``, ``bfloat16`` or
+            ``float8_e4m3fn``.
+    """
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float16"
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{field} must be a positive int, got {value!r}")
+        if self.dtype not in _DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPE_BYTES)}, got {self.dtype!r}")
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes per element of :attr:`dtype`."""
+        return _DTYPE_BYTES[self.dtype]
+
+    def bytes_per_token(self) -> int:
+        """Bytes of K and V for one token across all layers.
+
+        ``2 * num_layers * num_kv_heads * head_dim * dtype_bytes`` (the factor 2
+        is K and V), as in vLLM's ``page_size_bytes / block_size``.
+        """
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """Bytes of one block (``block_size`` tokens) across all layers."""
+        return self.bytes_per_token() * block_size
+
+
+#: Shape presets. ``tiny`` runs with real CPU tensors; the others are real model
+#: shapes (from the models' published configs) for metadata-only simulation.
+MODEL_SHAPES: dict[str, ModelShape] = {
+    "tiny": ModelShape(name="tiny", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32"),
+    "llama-3-8b": ModelShape(name="llama-3-8b", num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16"),
+    "llama-3-70b": ModelShape(name="llama-3-70b", num_layers=80, num_kv_heads=8, head_dim=128, dtype="bfloat16"),
+    "qwen2.5-7b": ModelShape(name="qwen2.5-7b", num_layers=28, num_kv_heads=4, head_dim=128, dtype="bfloat16"),
+    "mistral-7b": ModelShape(name="mistral-7b", num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16"),
+}
+
+
+def model_shape(name: str) -> ModelShape:
+    """Return the preset named ``name``.
+
+    Raises:
+        ValueError: Unknown preset; the message lists the known ones.
+    """
+    try:
+        return MODEL_SHAPES[name]
+    except KeyError:
+        raise ValueError(f"unknown model shape {name!r}; known: {', '.join(MODEL_SHAPES)}") from None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KVCacheConfig:
+    """Everything a :class:`~akv.manager.KVCacheManager` needs to start.
+
+    Args:
+        num_blocks: Blocks in the pool (all shards together).
+        block_size: Tokens per block (vLLM default 16).
+        model: Attention shape that sizes the tensors.
+        storage: ``"tensors"`` allocates one K/V tensor per layer on
+            ``device``; ``"none"`` keeps metadata only (block tables, refcounts,
+            prefix cache) so real-model-sized pools can be simulated.
+        device: torch device string for the tensors (``"cpu"``, ``"cuda"``,
+            ``"cuda:1"``). Ignored when ``storage == "none"``.
+        vocab_size: Token ids must lie in ``[0, vocab_size)``.
+        num_shards: Pool shards; block ids are split into contiguous ranges.
+            Prefix hits are shard-local (a block lives in one device partition).
+        enable_prefix_cache: Publish committed full blocks and match prompts.
+        low_watermark: Free fraction (0.0-1.0) below which the eviction loop
+            starts evicting cached blocks.
+        high_watermark: Free fraction up to which it evicts once started.
+        eviction_batch_blocks: Blocks evicted per eviction batch (one log line
+            and one tree message per batch).
+        inbox_capacity: Bound of every actor's inbox (messages).
+        debug_invariants: Check block-state conservation after every message
+            (cheap counters) and raise on violation; for tests and stress runs.
+
+    Raises:
+        ValueError: Any field out of range.
+    """
+
+    num_blocks: int
+    block_size: int = 16
+    model: ModelShape = MODEL_SHAPES["tiny"]
+    storage: str = "tensors"
+    device: str = "cpu"
+    vocab_size: int = 128_256
+    num_shards: int = 1
+    enable_prefix_cache: bool = True
+    low_watermark: float = 0.02
+    high_watermark: float = 0.05
+    eviction_batch_blocks: int = 256
+    inbox_capacity: int = 1024
+    debug_invariants: bool = False
+
+    def __post_init__(self) -> None:
+        for field in ("num_blocks", "block_size", "vocab_size", "num_shards", "eviction_batch_blocks", "inbox_capacity"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{field} must be a positive int, got {value!r}")
+        if self.num_shards > self.num_blocks:
+            raise ValueError(f"num_shards ({self.num_shards}) exceeds num_blocks ({self.num_blocks})")
+        if self.storage not in ("tensors", "none"):
+            raise ValueError(f"storage must be 'tensors' or 'none', got {self.storage!r}")
+        if not (0.0 <= self.low_watermark <= self.high_watermark <= 1.0):
+            raise ValueError(
+                "watermarks must satisfy 0 <= low_watermark <= high_watermark <= 1, "
+                f"got low={self.low_watermark}, high={self.high_watermark}"
+            )
+        if not isinstance(self.model, ModelShape):
+            raise ValueError(f"model must be a ModelShape, got {type(self.model).__name__}")
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block across all layers (K and V)."""
+        return self.model.bytes_per_block(self.block_size)
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the whole pool (``num_blocks * bytes_per_block``)."""
+        return self.num_blocks * self.bytes_per_block
+
+    def shard_ranges(self) -> list[range]:
+        """Contiguous block-id range of each shard, sizes differing by at most one."""
+        base, extra = divmod(self.num_blocks, self.num_shards)
+        ranges, start = [], 0
+        for shard in range(self.num_shards):
+            size = base + (1 if shard < extra else 0)
+            ranges.append(range(start, start + size))
+            start += size
+        return ranges

@@ -1,0 +1,332 @@
+"""Block pool of one shard: block states, refcounts, free queue and LRU of cached blocks.
+
+Pure and synchronous. Every block id in ``block_ids`` is in exactly one state:
+
+- ``FREE``: on the free queue, owned by nobody.
+- ``ACTIVE``: refcount >= 1 (held by at least one sequence's block table).
+- ``CACHED``: refcount 0, published in the prefix cache, in the LRU order; an
+  eviction may reclaim it.
+- ``IN_FLIGHT``: refcount 0 but still the source of a pending copy (or being
+  evicted right now); neither allocatable nor evictable.
+
+Complexities: allocate ``O(n)`` for ``n`` blocks, free/incref/decref ``O(1)``
+per block, touching a cached block (taking it out of the LRU order on a hit)
+``O(1)`` through an intrusive doubly linked list over block offsets, the same
+structure as vLLM v1's ``FreeKVCacheBlockQueue`` (``vllm/v1/core/kv_cache_utils.py``).
+
+The LRU order is kept here, beside the refcounts, because a block enters it
+exactly when its refcount drops to zero and leaves it exactly when a hit takes
+a reference: one owner makes "match then pin" atomic (see docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+FREE = 0
+ACTIVE = 1
+CACHED = 2
+IN_FLIGHT = 3
+STATE_NAMES = ("free", "active", "cached", "in_flight")
+
+_NIL = -1
+
+
+class BlockPool:
+    """Blocks ``block_ids`` (a contiguous range) of one shard.
+
+    Args:
+        block_ids: The global block ids this pool owns, e.g. ``range(0, 4096)``.
+
+    The free queue hands out the lowest ids first on a fresh pool and reuses
+    the most recently freed block first afterwards (a stack: warm memory).
+    The LRU order of cached blocks evicts the least recently released first;
+    a sequence releases its blocks deepest first, so on ties the deepest block
+    of a finished sequence is evicted first.
+    """
+
+    __slots__ = (
+        "first_block_id",
+        "num_blocks",
+        "_state",
+        "_refcount",
+        "_published",
+        "_copy_pins",
+        "_free",
+        "_prev",
+        "_next",
+        "_counts",
+        "total_refs",
+    )
+
+    def __init__(self, block_ids: range) -> None:
+        if block_ids.step != 1 or len(block_ids) == 0:
+            raise ValueError(f"block_ids must be a non-empty contiguous range, got {block_ids!r}")
+        self.first_block_id = block_ids.start
+        self.num_blocks = len(block_ids)
+        n = self.num_blocks
+        self._state = [FREE] * n
+        self._refcount = [0] * n
+        self._published = [False] * n
+        self._copy_pins: dict[int, int] = {}
+        self._free = list(reversed(block_ids))  # pop() yields the lowest id first
+        # Intrusive LRU list over offsets; index n is the sentinel (head/tail).
+        self._prev = [_NIL] * (n + 1)
+        self._next = [_NIL] * (n + 1)
+        self._prev[n] = n
+        self._next[n] = n
+        self._counts = [n, 0, 0, 0]
+        #: Sum of all refcounts; equals the block-table references of live sequences.
+        self.total_refs = 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free(self) -> int:
+        """Blocks on the free queue."""
+        return self._counts[FREE]
+
+    @property
+    def num_active(self) -> int:
+        """Blocks with refcount >= 1."""
+        return self._counts[ACTIVE]
+
+    @property
+    def num_cached(self) -> int:
+        """Cached blocks with refcount 0: what eviction can reclaim."""
+        return self._counts[CACHED]
+
+    @property
+    def num_in_flight(self) -> int:
+        """Blocks held only by a pending copy or an eviction in progress."""
+        return self._counts[IN_FLIGHT]
+
+    def counts(self) -> dict[str, int]:
+        """Blocks per state name; the values add up to :attr:`num_blocks`."""
+        return dict(zip(STATE_NAMES, self._counts))
+
+    def owns(self, block_id: int) -> bool:
+        """Whether ``block_id`` belongs to this pool."""
+        return 0 <= block_id - self.first_block_id < self.num_blocks
+
+    def state(self, block_id: int) -> int:
+        """State constant of ``block_id`` (``FREE``, ``ACTIVE``, ``CACHED``, ``IN_FLIGHT``)."""
+        return self._state[block_id - self.first_block_id]
+
+    def refcount(self, block_id: int) -> int:
+        """Number of block-table references to ``block_id``."""
+        return self._refcount[block_id - self.first_block_id]
+
+    def is_published(self, block_id: int) -> bool:
+        """Whether ``block_id`` is in the prefix cache."""
+        return self._published[block_id - self.first_block_id]
+
+    def lru_order(self) -> list[int]:
+        """Cached block ids from least to most recently released (eviction order). O(cached)."""
+        out, n = [], self.num_blocks
+        i = self._next[n]
+        while i != n:
+            out.append(i + self.first_block_id)
+            i = self._next[i]
+        return out
+
+    # ---------------------------------------------------------------- mutations
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take ``num_blocks`` blocks off the free queue, each with refcount 1.
+
+        Raises:
+            ValueError: Fewer than ``num_blocks`` free blocks (the caller checks
+                :attr:`num_free` first; this is a broken invariant, not a shortage).
+        """
+        if num_blocks > self._counts[FREE]:
+            raise ValueError(f"allocate({num_blocks}) with only {self._counts[FREE]} free blocks")
+        if num_blocks <= 0:
+            return []
+        ids = self._free[-num_blocks:]
+        del self._free[-num_blocks:]
+        ids.reverse()
+        base, state, ref = self.first_block_id, self._state, self._refcount
+        for b in ids:
+            i = b - base
+            state[i] = ACTIVE
+            ref[i] = 1
+        self._counts[FREE] -= num_blocks
+        self._counts[ACTIVE] += num_blocks
+        self.total_refs += num_blocks
+        return ids
+
+    def incref(self, block_ids: Iterable[int]) -> None:
+        """Add one reference to each block; a cached block leaves the LRU order (a hit).
+
+        Raises:
+            ValueError: A block is free or in flight (it cannot be referenced).
+        """
+        base, state, ref = self.first_block_id, self._state, self._refcount
+        for b in block_ids:
+            i = b - base
+            s = state[i]
+            if s == CACHED:
+                self._lru_unlink(i)
+                state[i] = ACTIVE
+                self._counts[CACHED] -= 1
+                self._counts[ACTIVE] += 1
+            elif s != ACTIVE:
+                raise ValueError(f"incref of block {b} in state {STATE_NAMES[s]}")
+            ref[i] += 1
+            self.total_refs += 1
+
+    def decref(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference from each block, in the given order.
+
+        A block reaching refcount 0 becomes ``IN_FLIGHT`` if a pending copy
+        still reads it, else ``CACHED`` (appended to the LRU tail) if published,
+        else ``FREE``. Pass a sequence's blocks deepest first so its deepest
+        block is evicted first.
+
+        Raises:
+            ValueError: A block's refcount is already 0 (a double free).
+        """
+        base, ref = self.first_block_id, self._refcount
+        for b in block_ids:
+            i = b - base
+            if ref[i] <= 0:
+                raise ValueError(f"decref of block {b} with refcount {ref[i]} (double free)")
+            ref[i] -= 1
+            self.total_refs -= 1
+            if ref[i] == 0:
+                self._counts[ACTIVE] -= 1
+                self._release(i)
+
+    def mark_published(self, block_ids: Iterable[int]) -> None:
+        """Record that these (referenced) blocks are now in the prefix cache."""
+        base, pub = self.first_block_id, self._published
+        for b in block_ids:
+            pub[b - base] = True
+
+    def pin_for_copy(self, block_ids: Iterable[int]) -> None:
+        """Keep blocks alive as sources of a pending copy (they must be referenced now)."""
+        pins = self._copy_pins
+        for b in block_ids:
+            pins[b] = pins.get(b, 0) + 1
+
+    def unpin_copied(self, block_ids: Iterable[int]) -> None:
+        """Release copy pins; an unreferenced block then becomes cached or free."""
+        base, pins = self.first_block_id, self._copy_pins
+        for b in block_ids:
+            left = pins[b] - 1
+            if left:
+                pins[b] = left
+                continue
+            del pins[b]
+            i = b - base
+            if self._state[i] == IN_FLIGHT:
+                self._counts[IN_FLIGHT] -= 1
+                self._release(i)
+
+    def evict_begin(self, max_blocks: int, skip: frozenset[int] | set[int] = frozenset()) -> list[int]:
+        """Take up to ``max_blocks`` least recently used cached blocks for eviction.
+
+        Blocks in ``skip`` (prefix hits about to be pinned) keep their place.
+        The taken blocks move to ``IN_FLIGHT`` until :meth:`evict_finish`
+        (removed from the prefix cache, now free) or :meth:`evict_abort` (back
+        at the LRU head). O(taken + skipped).
+        """
+        out, n, base = [], self.num_blocks, self.first_block_id
+        nxt, state = self._next, self._state
+        i = nxt[n]
+        while len(out) < max_blocks and i != n:
+            following = nxt[i]
+            if skip and (i + base) in skip:
+                i = following
+                continue
+            self._lru_unlink(i)
+            state[i] = IN_FLIGHT
+            out.append(i + base)
+            i = following
+        self._counts[CACHED] -= len(out)
+        self._counts[IN_FLIGHT] += len(out)
+        return out
+
+    def evict_finish(self, block_ids: Iterable[int]) -> None:
+        """Blocks taken by :meth:`evict_begin` left the prefix cache: free them."""
+        base = self.first_block_id
+        k = 0
+        for b in block_ids:
+            i = b - base
+            if self._state[i] != IN_FLIGHT:
+                raise ValueError(f"evict_finish of block {b} in state {STATE_NAMES[self._state[i]]}")
+            self._published[i] = False
+            self._state[i] = FREE
+            self._free.append(b)
+            k += 1
+        self._counts[IN_FLIGHT] -= k
+        self._counts[FREE] += k
+
+    def evict_abort(self, block_ids: list[int]) -> None:
+        """Put blocks taken by :meth:`evict_begin` back at the LRU head, in order."""
+        base = self.first_block_id
+        for b in reversed(block_ids):
+            i = b - base
+            self._state[i] = CACHED
+            self._lru_push_head(i)
+        self._counts[IN_FLIGHT] -= len(block_ids)
+        self._counts[CACHED] += len(block_ids)
+
+    # ---------------------------------------------------------------- internals
+    def _release(self, i: int) -> None:
+        """Move unreferenced offset ``i`` to in-flight, cached or free."""
+        if (i + self.first_block_id) in self._copy_pins:
+            self._state[i] = IN_FLIGHT
+            self._counts[IN_FLIGHT] += 1
+        elif self._published[i]:
+            self._state[i] = CACHED
+            self._counts[CACHED] += 1
+            n, prev, nxt = self.num_blocks, self._prev, self._next
+            last = prev[n]
+            prev[i] = last
+            nxt[i] = n
+            nxt[last] = i
+            prev[n] = i
+        else:
+            self._state[i] = FREE
+            self._counts[FREE] += 1
+            self._free.append(i + self.first_block_id)
+
+    def _lru_unlink(self, i: int) -> None:
+        p, q = self._prev[i], self._next[i]
+        self._next[p] = q
+        self._prev[q] = p
+        self._prev[i] = self._next[i] = _NIL
+
+    def _lru_push_head(self, i: int) -> None:
+        n = self.num_blocks
+        first = self._next[n]
+        self._prev[i] = n
+        self._next[i] = first
+        self._prev[first] = i
+        self._next[n] = i
+
+    def check(self) -> None:
+        """Full O(num_blocks) consistency check.
+
+        Raises:
+            AssertionError: Naming the first inconsistent block.
+        """
+        counts = [0, 0, 0, 0]
+        for i, s in enumerate(self._state):
+            counts[s] += 1
+            b = i + self.first_block_id
+            r = self._refcount[i]
+            if (s == ACTIVE) != (r > 0):
+                raise AssertionError(f"block {b}: state {STATE_NAMES[s]} with refcount {r}")
+            if s == CACHED and not self._published[i]:
+                raise AssertionError(f"block {b}: cached but not published")
+            if s == FREE and self._published[i]:
+                raise AssertionError(f"block {b}: free but still published")
+        if sum(self._refcount) != self.total_refs:
+            raise AssertionError(f"refcount sum {sum(self._refcount)} != total_refs {self.total_refs}")
+        if counts != self._counts:
+            raise AssertionError(f"state counters {self._counts} != recount {counts}")
+        if sorted(self._free) != sorted(i + self.first_block_id for i, s in enumerate(self._state) if s == FREE):
+            raise AssertionError("free queue does not hold exactly the free blocks")
+        if len(self.lru_order()) != counts[CACHED]:
+            raise AssertionError("LRU list does not hold exactly the cached blocks")

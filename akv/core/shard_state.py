@@ -1,0 +1,471 @@
+"""The synchronous heart of a pool shard: sequences, block tables, pool, publishing.
+
+Written sans-IO: :meth:`ShardState.step` and :meth:`ShardState.evict` are
+generators that *yield* lists of prefix-tree operations and receive their
+results, because the radix tree is owned by another actor. The pool shard
+actor drives them by asking the prefix-tree actor; tests drive them against a
+local :class:`~akv.core.radix_tree.RadixTree` with :func:`drive`. The logic is
+the same object either way, and no asyncio or torch is imported here.
+
+Tree operations (tuples):
+
+- ``("match", namespace, keys)`` -> ``list[int]`` matched block ids.
+- ``("insert", namespace, parent_block_id | None, keys, block_ids)`` -> ``int``
+  leading blocks now published.
+- ``("remove", block_ids)`` -> ``(removed, refused)``.
+- ``("lookup", namespace, keys)`` -> ``int`` (no side effects).
+- ``("size",)`` -> ``int`` blocks in the tree.
+
+Every public mutation validates its whole input before changing anything, so
+an error leaves the shard exactly as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Hashable
+from dataclasses import dataclass
+
+import numpy as np
+
+from akv.core.block_pool import CACHED, BlockPool
+from akv.core.radix_tree import RadixTree, block_keys
+from akv.core.sequence import Sequence
+from akv.core.step import StepOutcome, StepRequest
+from akv.errors import DuplicateSequence, InvalidInput, PoolExhausted, RequestTooLarge, UnknownSequence
+
+TreeOps = list
+TreeGen = Generator[TreeOps, list, object]
+
+
+def apply_tree_ops(tree: RadixTree, ops: TreeOps) -> list:
+    """Run tree operations in order against ``tree`` and return their results."""
+    out = []
+    for op in ops:
+        kind = op[0]
+        if kind == "match":
+            out.append(tree.match(op[1], op[2]))
+        elif kind == "insert":
+            out.append(tree.insert(op[1], op[2], op[3], op[4]))
+        elif kind == "remove":
+            out.append(tree.remove_leaves(op[1]))
+        elif kind == "lookup":
+            out.append(tree.lookup(op[1], op[2]))
+        elif kind == "size":
+            out.append(len(tree))
+        else:
+            raise ValueError(f"unknown tree operation {kind!r}")
+    return out
+
+
+def drive(gen: TreeGen, tree: RadixTree):
+    """Run a sans-IO shard generator synchronously against a local tree; return its value."""
+    try:
+        ops = next(gen)
+        while True:
+            ops = gen.send(apply_tree_ops(tree, ops))
+    except StopIteration as stop:
+        return stop.value
+
+
+@dataclass(kw_only=True, slots=True)
+class ShardCounters:
+    """Monotonic counters of one shard (units: blocks, tokens, sequences, events)."""
+
+    blocks_allocated: int = 0
+    blocks_evicted: int = 0
+    eviction_batches: int = 0
+    cow_copies: int = 0
+    forks: int = 0
+    sequences_added: int = 0
+    sequences_freed: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    pool_exhausted: int = 0
+
+
+class ShardState:
+    """Sequences and blocks of one shard.
+
+    Args:
+        shard_index: Index of this shard; part of every prefix-cache namespace
+            key, since a block can only serve sequences of its own partition.
+        block_ids: Global block ids owned by the shard.
+        block_size: Tokens per block.
+        enable_prefix_cache: Publish committed full blocks and match prompts.
+    """
+
+    def __init__(self, shard_index: int, block_ids: range, block_size: int, *, enable_prefix_cache: bool = True) -> None:
+        self.shard_index = shard_index
+        self.block_size = block_size
+        self.enable_prefix_cache = enable_prefix_cache
+        self.pool = BlockPool(block_ids)
+        self.sequences: dict[Hashable, Sequence] = {}
+        self.counters = ShardCounters()
+        #: Block-table references held by live sequences (equals pool.total_refs).
+        self.table_refs = 0
+
+    # ------------------------------------------------------------------ queries
+    def namespace_key(self, namespace: Hashable) -> tuple:
+        """Tree namespace key of ``namespace`` in this shard."""
+        return (self.shard_index, namespace)
+
+    def get(self, seq_id: Hashable) -> Sequence:
+        """The live sequence ``seq_id``.
+
+        Raises:
+            UnknownSequence: Not live in this shard.
+        """
+        try:
+            return self.sequences[seq_id]
+        except KeyError:
+            raise UnknownSequence(seq_id) from None
+
+    def usage(self) -> float:
+        """Fraction of blocks not free (0.0-1.0)."""
+        return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    def lookup_op(self, namespace: Hashable, prompt: np.ndarray) -> tuple:
+        """Tree op that counts how many blocks of ``prompt`` would hit (pure)."""
+        n = (len(prompt) - 1) // self.block_size if len(prompt) else 0
+        return ("lookup", self.namespace_key(namespace), block_keys(prompt, self.block_size, n))
+
+    # ---------------------------------------------------------------- the step
+    def step(self, req: StepRequest) -> TreeGen:
+        """Apply one scheduler step (see :class:`~akv.core.step.StepRequest` for the order).
+
+        Appends and admissions are each all-or-nothing: one that cannot get its
+        blocks (even after evicting cached blocks) is listed in
+        ``outcome.rejected`` and leaves no trace. Everything else is validated
+        up front.
+
+        Raises:
+            UnknownSequence: A commit, fork or append names no live sequence.
+            DuplicateSequence: An admission or fork child reuses a live id.
+            InvalidInput: Bad commit counts or empty token arrays.
+        """
+        self._validate(req)
+        bs, seqs, pool = self.block_size, self.sequences, self.pool
+        out = StepOutcome()
+
+        for seq_id in req.frees:
+            seq = seqs.pop(seq_id, None)
+            if seq is not None:
+                self._release(seq)
+                out.freed.append(seq_id)
+
+        ops: TreeOps = []
+        publishing: list = []
+        for seq_id, n in req.commits.items():
+            seq = seqs[seq_id]
+            seq.num_computed += n
+            self._queue_publish(seq, ops, publishing)
+
+        for parent_id, child_ids in req.forks:
+            parent = seqs[parent_id]
+            for child_id in child_ids:
+                child = parent.fork(child_id)
+                ids = child.block_ids.tolist()
+                pool.incref(ids)
+                self.table_refs += len(ids)
+                seqs[child_id] = child
+                self.counters.forks += 1
+
+        # Batch the matches of ordinary admissions with the inserts in one tree message.
+        matches: dict[int, list[int]] = {}
+        match_slots: list[int] = []
+        if self.enable_prefix_cache:
+            for i, adm in enumerate(req.admits):
+                if not adm.prefill_done:
+                    n = (len(adm.prompt) - 1) // bs
+                    ops.append(("match", self.namespace_key(adm.namespace), block_keys(adm.prompt, bs, n)))
+                    match_slots.append(i)
+        if ops:
+            results = yield ops
+            self._apply_published(publishing, results)
+            for i, res in zip(match_slots, results[len(publishing):]):
+                matches[i] = res
+        protected: set[int] = set()
+        for hits in matches.values():
+            protected.update(hits)
+
+        scheduled: list[tuple[Sequence, int, int]] = []
+        for seq_id, tokens in req.appends.items():
+            seq = seqs[seq_id]
+            start = seq.num_tokens
+            k = 1 if type(tokens) is int else len(tokens)
+            tail = start % bs != 0 and pool.refcount(seq.block_ids.last()) > 1
+            need = -(-(start + k) // bs) - len(seq.block_ids) + tail
+            err = yield from self._make_room(need, protected, out)
+            if err is not None:
+                out.rejected[seq_id] = err
+                continue
+            if tail:
+                old = seq.block_ids.last()
+                (new,) = pool.allocate(1)
+                seq.block_ids.set(len(seq.block_ids) - 1, new)
+                pool.pin_for_copy((old,))
+                pool.decref((old,))
+                out.copies.append((old, new))
+                self.counters.cow_copies += 1
+                need -= 1
+            if need:
+                seq.block_ids.extend(pool.allocate(need))
+                self.table_refs += need
+            self.counters.blocks_allocated += need + tail
+            if k == 1 and type(tokens) is int:
+                seq.tokens.append(tokens)
+            else:
+                seq.tokens.extend(tokens)
+            scheduled.append((seq, start, k))
+
+        pending: list = []
+        pending_ops: TreeOps = []
+        for i, adm in enumerate(req.admits):
+            prompt = adm.prompt
+            length = len(prompt)
+            max_hit_blocks = (length - 1) // bs
+            ns = self.namespace_key(adm.namespace)
+            if i in matches:
+                hits = matches[i]
+            elif self.enable_prefix_cache:
+                results = yield pending_ops + [("match", ns, block_keys(prompt, bs, max_hit_blocks))]
+                self._apply_published(pending, results)
+                pending, pending_ops = [], []
+                hits = results[-1]
+                protected.update(hits)
+            else:
+                hits = []
+            hits = hits[:max_hit_blocks]
+            need = -(-length // bs) - len(hits)
+            err = yield from self._make_room(need, protected, out)
+            protected.difference_update(hits)
+            if err is not None:
+                out.rejected[adm.seq_id] = err
+                continue
+            seq = Sequence(adm.seq_id, adm.namespace, prompt)
+            pool.incref(hits)
+            seq.block_ids.extend(hits)
+            seq.block_ids.extend(pool.allocate(need))
+            self.table_refs += len(hits) + need
+            self.counters.blocks_allocated += need
+            cached = len(hits) * bs
+            seq.num_computed = cached
+            seq.num_published = len(hits)
+            seq.num_cached_tokens = cached
+            seqs[adm.seq_id] = seq
+            out.cached_tokens[adm.seq_id] = cached
+            self.counters.sequences_added += 1
+            self.counters.prompt_tokens += length
+            self.counters.cached_tokens += cached
+            scheduled.append((seq, cached, length - cached))
+            if adm.prefill_done:
+                seq.num_computed = length
+                self._queue_publish(seq, pending_ops, pending)
+        if pending_ops:
+            results = yield pending_ops
+            self._apply_published(pending, results)
+
+        if req.want_metadata:
+            self._fill_metadata(out, scheduled)
+        else:
+            out.seq_ids = [s.seq_id for s, _, _ in scheduled]
+        return out
+
+    def evict(self, max_blocks: int) -> TreeGen:
+        """Evict up to ``max_blocks`` least recently used cached blocks (leaves only).
+
+        Returns:
+            Blocks evicted (removed from the prefix cache, now free).
+        """
+        n = yield from self._evict(max_blocks, frozenset())
+        return n
+
+    def release_copy_sources(self, block_ids: list[int]) -> None:
+        """A copy batch finished: its source blocks may become cached or free."""
+        self.pool.unpin_copied(block_ids)
+
+    # ------------------------------------------------------------- internals
+    def _validate(self, req: StepRequest) -> None:
+        seqs = self.sequences
+        freed = {s for s in req.frees if s in seqs}
+
+        def live(seq_id: Hashable) -> bool:
+            return seq_id in seqs and seq_id not in freed
+
+        for seq_id, n in req.commits.items():
+            if not live(seq_id):
+                raise UnknownSequence(seq_id)
+            if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
+                raise InvalidInput(f"commit of {n!r} tokens for sequence {seq_id!r}: need an int >= 0")
+            seq = seqs[seq_id]
+            if seq.num_computed + n > seq.num_tokens:
+                raise InvalidInput(
+                    f"commit of {n} tokens for sequence {seq_id!r} exceeds its history: "
+                    f"{seq.num_computed} computed of {seq.num_tokens} tokens"
+                )
+        created: set = set()
+        for parent_id, child_ids in req.forks:
+            if not live(parent_id) and parent_id not in created:
+                raise UnknownSequence(parent_id)
+            for child_id in child_ids:
+                if live(child_id) or child_id in created:
+                    raise DuplicateSequence(child_id)
+                created.add(child_id)
+        for parent_id, _ in req.forks:
+            if parent_id in created and parent_id not in seqs:
+                raise InvalidInput(f"fork of {parent_id!r}, a child created in the same step; fork it next step")
+        for seq_id, tokens in req.appends.items():
+            if not live(seq_id) and seq_id not in created:
+                raise UnknownSequence(seq_id)
+            if type(tokens) is not int and len(tokens) == 0:
+                raise InvalidInput(f"append of no tokens to sequence {seq_id!r}")
+        for adm in req.admits:
+            if live(adm.seq_id) or adm.seq_id in created:
+                raise DuplicateSequence(adm.seq_id)
+            created.add(adm.seq_id)
+            if len(adm.prompt) == 0:
+                raise InvalidInput(f"empty prompt for sequence {adm.seq_id!r}")
+
+    def _release(self, seq: Sequence) -> None:
+        ids = seq.block_ids.tolist()
+        ids.reverse()  # deepest first: on ties the deepest block is evicted first
+        self.pool.decref(ids)
+        self.table_refs -= len(ids)
+        self.counters.sequences_freed += 1
+
+    def _queue_publish(self, seq: Sequence, ops: TreeOps, publishing: list) -> None:
+        if not self.enable_prefix_cache or seq.publish_stopped:
+            return
+        bs = self.block_size
+        full = min(seq.num_computed // bs, len(seq.block_ids))
+        start = seq.num_published
+        if full <= start:
+            return
+        parent = seq.block_ids[start - 1] if start else None
+        keys = block_keys(seq.tokens.view()[start * bs :], bs, full - start)
+        ids = seq.block_ids.view()[start:full].tolist()
+        ops.append(("insert", self.namespace_key(seq.namespace), parent, keys, ids))
+        publishing.append((seq, start, ids))
+
+    def _apply_published(self, publishing: list, results: list) -> None:
+        for (seq, start, ids), done in zip(publishing, results):
+            if done:
+                self.pool.mark_published(ids[:done])
+            seq.num_published = start + done
+            if done < len(ids):
+                seq.publish_stopped = True
+
+    def _make_room(self, need: int, protected: set[int], out: StepOutcome) -> TreeGen:
+        """Ensure ``need`` free blocks, evicting if needed; return an error instead if impossible."""
+        pool = self.pool
+        if need > pool.num_blocks:
+            return RequestTooLarge(need, pool.num_blocks)
+        if need <= pool.num_free:
+            return None
+        evictable = pool.num_cached - sum(1 for b in protected if pool.state(b) == CACHED)
+        if need > pool.num_free + evictable:
+            self.counters.pool_exhausted += 1
+            return PoolExhausted(need, pool.num_free, evictable)
+        out.evicted_blocks += yield from self._evict(need - pool.num_free, protected)
+        if need > pool.num_free:
+            raise AssertionError(f"shard {self.shard_index}: eviction left {pool.num_free} free blocks, need {need}")
+        return None
+
+    def _evict(self, num_blocks: int, protected) -> TreeGen:
+        evicted = 0
+        while evicted < num_blocks:
+            victims = self.pool.evict_begin(num_blocks - evicted, protected)
+            if not victims:
+                break
+            ((removed, refused),) = yield [("remove", victims)]
+            self.pool.evict_finish(removed)
+            evicted += len(removed)
+            if refused:
+                self.pool.evict_abort(refused)
+                raise AssertionError(
+                    f"shard {self.shard_index}: LRU offered non-leaf cached blocks {refused[:8]}; "
+                    "the leaf-first eviction order is broken"
+                )
+        if evicted:
+            self.counters.blocks_evicted += evicted
+            self.counters.eviction_batches += 1
+        return evicted
+
+    def _fill_metadata(self, out: StepOutcome, scheduled: list[tuple[Sequence, int, int]]) -> None:
+        bs = self.block_size
+        batch = len(scheduled)
+        out.seq_ids = [s.seq_id for s, _, _ in scheduled]
+        max_blocks = max((len(s.block_ids) for s, _, _ in scheduled), default=0)
+        tables = np.zeros((batch, max_blocks), dtype=np.int32)
+        context = np.empty(batch, dtype=np.int32)
+        qsl = np.zeros(batch + 1, dtype=np.int32)
+        total = 0
+        for i, (seq, _, k) in enumerate(scheduled):
+            n = len(seq.block_ids)
+            tables[i, :n] = seq.block_ids.view()
+            context[i] = seq.num_tokens
+            total += k
+            qsl[i + 1] = total
+        slots = np.empty(total, dtype=np.int64)
+        o = 0
+        for seq, start, k in scheduled:
+            if k == 1:
+                slots[o] = seq.block_ids[start // bs] * bs + start % bs
+            else:
+                pos = np.arange(start, start + k, dtype=np.int64)
+                slots[o : o + k] = seq.block_ids.view()[pos // bs].astype(np.int64) * bs + pos % bs
+            o += k
+        out.block_tables = tables
+        out.context_lens = context
+        out.query_start_loc = qsl
+        out.slot_mapping = slots
+
+    # ------------------------------------------------------------- checking
+    def check_counters(self) -> None:
+        """Cheap conservation check (O(1)).
+
+        Raises:
+            AssertionError: States do not add up to the shard's blocks, or the
+                refcount total differs from the block-table references.
+        """
+        pool = self.pool
+        total = pool.num_free + pool.num_active + pool.num_cached + pool.num_in_flight
+        if total != pool.num_blocks:
+            raise AssertionError(f"shard {self.shard_index}: block states add up to {total}, not {pool.num_blocks}")
+        if pool.total_refs != self.table_refs:
+            raise AssertionError(
+                f"shard {self.shard_index}: refcounts total {pool.total_refs} but block tables hold {self.table_refs}"
+            )
+
+    def check(self, tree_block_ids=None) -> None:
+        """Full consistency check (O(blocks + tokens)).
+
+        Args:
+            tree_block_ids: Every block id in the prefix tree (all shards), to
+                check that exactly the published blocks of this shard are in it.
+
+        Raises:
+            AssertionError: Naming the first inconsistency found.
+        """
+        self.check_counters()
+        self.pool.check()
+        bs = self.block_size
+        refs: dict[int, int] = {}
+        for seq in self.sequences.values():
+            if len(seq.block_ids) != -(-seq.num_tokens // bs):
+                raise AssertionError(
+                    f"sequence {seq.seq_id!r}: {len(seq.block_ids)} blocks for {seq.num_tokens} tokens"
+                )
+            for b in seq.block_ids.tolist():
+                refs[b] = refs.get(b, 0) + 1
+        for b, r in refs.items():
+            if self.pool.refcount(b) != r:
+                raise AssertionError(f"block {b}: refcount {self.pool.refcount(b)} but {r} block-table references")
+        if tree_block_ids is not None:
+            mine = [b for b in tree_block_ids if self.pool.owns(b)]
+            for b in mine:
+                if not self.pool.is_published(b):
+                    raise AssertionError(f"block {b}: in the prefix cache but not marked published")
+            published = sum(1 for i in range(self.pool.num_blocks) if self.pool._published[i])
+            if published != len(mine):
+                raise AssertionError(f"{published} blocks marked published but {len(mine)} in the prefix cache")

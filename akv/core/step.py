@@ -1,0 +1,98 @@
+"""Step messages: what a scheduler asks of a shard in one step, and what it gets back.
+
+Pure data (numpy arrays, no torch). The manager validates and converts token
+ids to int32 arrays before building these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Admit:
+    """Add a sequence from a prompt.
+
+    Args:
+        seq_id: New, caller-chosen sequence id.
+        prompt: Token ids, int32 array of shape ``(num_prompt_tokens,)``, non-empty.
+        namespace: Prefix-cache namespace; prompts only hit blocks of the same one.
+        prefill_done: The runner computes the whole prompt in this very step
+            (a simulation shortcut): the prompt is committed at once and its
+            full blocks published before the next admission of the step.
+    """
+
+    seq_id: Hashable
+    prompt: np.ndarray
+    namespace: Hashable = None
+    prefill_done: bool = False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepRequest:
+    """One scheduler step for one shard, applied in this order.
+
+    1. ``frees``: release sequences (unknown ids are a no-op: free is idempotent).
+    2. ``commits``: the runner wrote K/V for the next ``n`` tokens of a sequence;
+       full committed blocks are published to the prefix cache.
+    3. ``forks``: ``(parent_id, child_ids)``: children share every parent block.
+    4. ``appends``: new tokens per sequence (decode); copy-on-write of a shared
+       partial tail block first.
+    5. ``admits``: new sequences, in order.
+
+    Args:
+        frees: Sequence ids to free.
+        commits: Sequence id -> tokens committed (>= 0).
+        forks: ``(parent_id, child_ids)`` pairs.
+        appends: Sequence id -> int32 token array, shape ``(k,)``, ``k >= 1``,
+            or one validated ``int`` token (the decode fast path).
+        admits: Admissions.
+        want_metadata: Build block tables and slot mapping for the scheduled
+            sequences (skip for pure bookkeeping calls).
+    """
+
+    frees: Sequence[Hashable] = ()
+    commits: Mapping[Hashable, int] = field(default_factory=dict)
+    forks: Sequence[tuple[Hashable, Sequence[Hashable]]] = ()
+    appends: Mapping[Hashable, np.ndarray | int] = field(default_factory=dict)
+    admits: Sequence[Admit] = ()
+    want_metadata: bool = True
+
+
+@dataclass(kw_only=True, slots=True)
+class StepOutcome:
+    """What a shard did in one step (numpy arrays; the manager wraps them in torch).
+
+    Attributes:
+        seq_ids: Scheduled sequences (successful appends, then admissions), in
+            the order of the metadata rows.
+        block_tables: int32 ``(batch, max_blocks)`` padded with 0 beyond each
+            row's ``ceil(context_len / block_size)`` blocks.
+        context_lens: int32 ``(batch,)`` tokens per scheduled sequence after this step.
+        query_start_loc: int32 ``(batch + 1,)`` offsets of each row's new tokens
+            in ``slot_mapping`` (the flash-attention varlen convention).
+        slot_mapping: int64 ``(num_new_tokens,)``, ``block_id * block_size + offset``
+            for every token to compute this step (vLLM's ``slot_mapping``).
+        cached_tokens: Admitted sequence id -> prompt tokens served from the cache.
+        rejected: Sequence id -> error (:class:`~akv.errors.PoolExhausted` or
+            :class:`~akv.errors.RequestTooLarge`) for appends and admissions that
+            were not applied; their state is unchanged.
+        copies: ``(src_block_id, dst_block_id)`` copy-on-write pairs to run
+            before the runner writes or reads this step's blocks.
+        freed: Sequence ids actually freed (known ones).
+        evicted_blocks: Blocks evicted on demand during this step.
+    """
+
+    seq_ids: list = field(default_factory=list)
+    block_tables: np.ndarray | None = None
+    context_lens: np.ndarray | None = None
+    query_start_loc: np.ndarray | None = None
+    slot_mapping: np.ndarray | None = None
+    cached_tokens: dict = field(default_factory=dict)
+    rejected: dict = field(default_factory=dict)
+    copies: list = field(default_factory=list)
+    freed: list = field(default_factory=list)
+    evicted_blocks: int = 0

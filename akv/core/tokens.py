@@ -1,0 +1,52 @@
+"""Validation of token ids coming from callers."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from akv.errors import InvalidTokens
+
+
+def as_token_array(tokens, vocab_size: int, *, what: str = "tokens") -> np.ndarray:
+    """Validate token ids and return them as a fresh int32 array.
+
+    Args:
+        tokens: 1-D integer ids: a list or tuple of ``int``, a numpy integer
+            array, or a torch integer tensor (anything with ``.numpy()``).
+        vocab_size: Ids must lie in ``[0, vocab_size)``.
+        what: Name used in error messages (e.g. ``"prompt of 'req-1'"``).
+
+    Returns:
+        int32 array of shape ``(n,)``, ``n >= 1``, owned by the caller of this
+        function (later changes to ``tokens`` do not affect it).
+
+    Raises:
+        InvalidTokens: Empty, not 1-D, not integers (floats, bools, strings,
+            None), or out of range; the message names the first bad position.
+    """
+    if isinstance(tokens, (str, bytes, bytearray)) or tokens is None:
+        raise InvalidTokens(f"{what}: expected a sequence of int token ids, got {type(tokens).__name__}")
+    if hasattr(tokens, "detach") and hasattr(tokens, "numpy"):
+        tokens = tokens.detach().cpu().numpy()
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+    else:
+        if isinstance(tokens, (list, tuple)):
+            for i, t in enumerate(tokens):
+                if type(t) is bool or not isinstance(t, (int, np.integer)):
+                    raise InvalidTokens(f"{what}: token {i} is {t!r} ({type(t).__name__}), not an int")
+        try:
+            arr = np.asarray(tokens)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise InvalidTokens(f"{what}: not an array of token ids ({exc})") from None
+    if arr.ndim != 1:
+        raise InvalidTokens(f"{what}: expected a 1-D sequence of token ids, got shape {arr.shape}")
+    if arr.size == 0:
+        raise InvalidTokens(f"{what}: empty; at least one token is required")
+    if arr.dtype.kind not in "iu":
+        raise InvalidTokens(f"{what}: token ids must be integers, got dtype {arr.dtype}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = int(np.flatnonzero((arr < 0) | (arr >= vocab_size))[0])
+        raise InvalidTokens(f"{what}: token {bad} is {int(arr[bad])}, outside [0, {vocab_size})")
+    return np.array(arr, dtype=np.int32)

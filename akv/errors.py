@@ -1,0 +1,113 @@
+"""Typed errors raised by akv.
+
+Every error a caller can provoke derives from :class:`AkvError`. Errors are
+raised before any state is changed: after one of them the manager holds exactly
+the blocks, sequences and cache entries it held before the call.
+
+Expected shortage (the pool cannot serve a request right now) is
+:class:`PoolExhausted`, a transient condition the scheduler handles by waiting,
+preempting or retrying. Misuse (bad tokens, unknown sequences, a request that
+can never fit) is permanent.
+"""
+
+from __future__ import annotations
+
+
+class AkvError(Exception):
+    """Base class of every error akv raises on purpose."""
+
+
+class InvalidInput(AkvError, ValueError):
+    """An argument is malformed (bad token ids, empty prompt, bad counts).
+
+    Subclasses ``ValueError`` so generic input handling in a serving stack also
+    catches it.
+    """
+
+
+class InvalidTokens(InvalidInput):
+    """Token ids are not integers in ``[0, vocab_size)`` or the list is empty."""
+
+
+class UnknownSequence(AkvError, KeyError):
+    """The sequence id was never added or has already been freed."""
+
+    def __init__(self, seq_id: object) -> None:
+        super().__init__(seq_id)
+        self.seq_id = seq_id
+
+    def __str__(self) -> str:
+        return f"unknown or finished sequence {self.seq_id!r}"
+
+
+class DuplicateSequence(InvalidInput):
+    """A sequence with this id already exists."""
+
+    def __init__(self, seq_id: object) -> None:
+        super().__init__(f"sequence {seq_id!r} already exists")
+        self.seq_id = seq_id
+
+
+class PoolExhausted(AkvError):
+    """Transient: not enough free plus evictable blocks for this call right now.
+
+    Attributes:
+        requested_blocks: Blocks the call needed.
+        free_blocks: Blocks on the free queue when the call was made.
+        evictable_blocks: Cached blocks with refcount 0 that eviction could
+            have reclaimed (already counted as usable; the shortage remains).
+    """
+
+    def __init__(self, requested_blocks: int, free_blocks: int, evictable_blocks: int) -> None:
+        super().__init__(
+            f"pool exhausted: requested {requested_blocks} blocks, "
+            f"{free_blocks} free, {evictable_blocks} evictable"
+        )
+        self.requested_blocks = requested_blocks
+        self.free_blocks = free_blocks
+        self.evictable_blocks = evictable_blocks
+
+
+class RequestTooLarge(InvalidInput):
+    """Permanent: the request needs more blocks than the whole pool (or shard) holds."""
+
+    def __init__(self, requested_blocks: int, num_blocks: int) -> None:
+        super().__init__(
+            f"request needs {requested_blocks} blocks but the pool only has {num_blocks}; "
+            "it can never be served"
+        )
+        self.requested_blocks = requested_blocks
+        self.num_blocks = num_blocks
+
+
+class ManagerClosed(AkvError, RuntimeError):
+    """The manager is not running (not entered yet, shutting down, or closed)."""
+
+
+class ActorCrashed(AkvError, RuntimeError):
+    """An actor raised an unexpected exception; the manager has failed.
+
+    Every pending and later call raises this (or :class:`ManagerClosed`) instead
+    of hanging. The original exception is chained as ``__cause__``.
+    """
+
+    def __init__(self, actor: str, cause: BaseException | None = None) -> None:
+        super().__init__(f"actor {actor!r} crashed: {cause!r}")
+        self.actor = actor
+        self.cause = cause
+
+
+class TraceError(AkvError, ValueError):
+    """A request trace file is missing or malformed.
+
+    Attributes:
+        path: The trace file.
+        line: 1-based line number of the offending record, or ``None``.
+    """
+
+    def __init__(self, path: object, line: int | None, reason: str) -> None:
+        where = f"{path}:{line}" if line is not None else f"{path}"
+        super().__init__(f"{where}: {reason}")
+        self.path = path
+        self.line = line
+        self.reason = reason

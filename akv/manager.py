@@ -1,0 +1,548 @@
+"""KVCacheManager: the async facade a serving stack embeds.
+
+::
+
+    async with KVCacheManager(KVCacheConfig(num_blocks=4096)) as kv:
+        cached = await kv.add_sequence("req-1", prompt_ids)
+        ...
+        result = await kv.step(commits={"req-1": n}, appends={"req-1": [tok]})
+
+Every call is one message per shard (plus the shard's one tree message), so a
+scheduler pays the actor round trip once per step, not per token. Calls are
+atomic with respect to cancellation: once sent, a call runs to completion in
+its actor (the wait is shielded) and the cancellation is re-raised right after,
+so a cancelled caller never leaves a half-applied operation; cleaning up by id
+(``free`` is idempotent) is always safe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import numpy as np
+import structlog
+import torch
+
+from akv.actors.eviction_loop import EvictionLoop
+from akv.actors.messages import Check, Inspect, Stats, Step
+from akv.actors.pool_shard import PoolShardActor, SequenceInfo, ShardStats
+from akv.actors.prefix_tree import PrefixTreeActor
+from akv.actors.runtime import Actor
+from akv.config import KVCacheConfig
+from akv.core.radix_tree import block_keys
+from akv.core.shard_state import ShardState
+from akv.core.step import Admit, StepOutcome, StepRequest
+from akv.core.tokens import as_token_array
+from akv.errors import ActorCrashed, InvalidInput, InvalidTokens, ManagerClosed, UnknownSequence
+from akv.results import NO_COPIES, CacheStats, CopyCompletion, StepResult
+from akv.storage import CopyExecutor, KVStorage
+
+__all__ = ["Admit", "KVCacheManager"]
+
+
+class KVCacheManager:
+    """Paged KV cache manager run by asyncio actors (anyio).
+
+    Use it as an async context manager; it starts its actors (prefix tree,
+    pool shards, eviction loop, stream worker) in one task group on entry and
+    stops them in order on exit (drain, then close).
+
+    Args:
+        config: Pool size, block size, model shape, storage and policies.
+        logger: structlog logger to bind context on (default
+            ``structlog.get_logger("akv")``). akv never configures logging.
+
+    Raises:
+        ActorCrashed: From any call, and from ``__aexit__``, once an actor has
+            crashed; no call hangs.
+        ManagerClosed: A call outside ``async with`` or after exit.
+    """
+
+    def __init__(self, config: KVCacheConfig, *, logger: Any = None) -> None:
+        if not isinstance(config, KVCacheConfig):
+            raise InvalidInput(f"config must be a KVCacheConfig, got {type(config).__name__}")
+        self.config = config
+        self.log = (logger or structlog.get_logger("akv")).bind(component="manager")
+        self._logger = logger
+        self._phase = "new"
+        self._failure: ActorCrashed | None = None
+        self._route: dict[Hashable, int] = {}
+        self._tg: anyio.abc.TaskGroup | None = None
+        #: K/V tensors (None in metadata mode). The model runner writes through
+        #: the slot mappings and reads through the block tables.
+        self.storage: KVStorage | None = None
+        self._tickets: list = []
+
+    # ------------------------------------------------------------ lifecycle
+    async def __aenter__(self) -> KVCacheManager:
+        if self._phase != "new":
+            raise ManagerClosed("a KVCacheManager can only be entered once; create a new one")
+        cfg = self.config
+        self.storage = KVStorage.from_config(cfg)
+        self._executor = CopyExecutor(self.storage)
+        self._tree = PrefixTreeActor(cfg.inbox_capacity, self._logger)
+        self._shards: list[PoolShardActor] = []
+        self._eviction = EvictionLoop(
+            self._shards,
+            low_watermark=cfg.low_watermark,
+            high_watermark=cfg.high_watermark,
+            batch_blocks=cfg.eviction_batch_blocks,
+            logger=self._logger,
+        )
+        for index, block_ids in enumerate(cfg.shard_ranges()):
+            state = ShardState(index, block_ids, cfg.block_size, enable_prefix_cache=cfg.enable_prefix_cache)
+            self._shards.append(
+                PoolShardActor(
+                    state,
+                    self._tree,
+                    self._executor,
+                    low_watermark=cfg.low_watermark,
+                    wake_eviction=self._eviction.wake,
+                    debug_invariants=cfg.debug_invariants,
+                    inbox_capacity=cfg.inbox_capacity,
+                    logger=self._logger,
+                )
+            )
+        self._actors: list[Actor] = [self._tree, *self._shards]
+        for actor in self._actors:
+            actor.on_crash = self._on_crash
+        self._stopped = {actor.name: anyio.Event() for actor in self._actors}
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        for actor in self._actors:
+            self._tg.start_soon(self._run_actor, actor, name=f"akv.{actor.name}")
+        self._tg.start_soon(self._run_eviction, name="akv.eviction_loop")
+        self._tg.start_soon(self._run_stream_worker, name="akv.stream_worker")
+        self._phase = "running"
+        self.log.info(
+            "manager.started",
+            num_blocks=cfg.num_blocks,
+            block_size=cfg.block_size,
+            num_shards=cfg.num_shards,
+            model=cfg.model.name,
+            storage=cfg.storage,
+            device=cfg.device if cfg.storage == "tensors" else None,
+            pool_bytes=self.storage.nbytes if self.storage is not None else 0,
+        )
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        if self._phase not in ("running", "failed"):
+            return
+        if self._phase == "running":
+            self._phase = "closing"
+        with anyio.CancelScope(shield=True):
+            self._eviction.stop()
+            for shard in self._shards:
+                shard.close()
+            for shard in self._shards:
+                await self._stopped[shard.name].wait()
+            self._tree.close()
+            await self._stopped[self._tree.name].wait()
+            self._executor.close(drain=self._failure is None)
+        try:
+            await self._tg.__aexit__(exc_type, exc, tb)
+        finally:
+            failed = self._failure is not None
+            self._phase = "failed" if failed else "closed"
+            self.log.info("manager.stopped", failed=failed)
+        if self._failure is not None and exc_type is None:
+            raise self._failure
+
+    async def _run_actor(self, actor: Actor) -> None:
+        try:
+            await actor.run()
+        finally:
+            self._stopped[actor.name].set()
+
+    async def _run_eviction(self) -> None:
+        try:
+            await self._eviction.run()
+        except Exception as exc:  # a crash of the loop fails the manager like any actor's
+            err = ActorCrashed("eviction_loop", exc)
+            err.__cause__ = exc
+            self.log.error("actor.crashed", actor="eviction_loop", error=repr(exc), exc_info=exc)
+            self._on_crash(None, err)
+
+    async def _run_stream_worker(self) -> None:
+        try:
+            await anyio.to_thread.run_sync(self._executor.run_forever)
+        except Exception as exc:
+            err = ActorCrashed("stream_worker", exc)
+            err.__cause__ = exc
+            self._on_crash(None, err)
+
+    def _on_crash(self, actor: Actor | None, error: ActorCrashed) -> None:
+        if self._failure is None:
+            self._failure = error
+        self._phase = "failed"
+        self._eviction.stop()
+        for other in self._actors:
+            if other is not actor:
+                other.stop(error)
+        self._executor.close(drain=False)
+
+    def _check_running(self) -> None:
+        if self._phase == "running":
+            return
+        if self._failure is not None:
+            raise self._failure
+        raise ManagerClosed(f"KVCacheManager is {self._phase}; use it inside 'async with'")
+
+    async def _ask(self, actor: Actor, msg: Any) -> Any:
+        self._check_running()
+        with anyio.CancelScope(shield=True):
+            result = await actor.ask(msg)
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        return result
+
+    # -------------------------------------------------------------- the step
+    async def step(
+        self,
+        *,
+        frees: Iterable[Hashable] = (),
+        commits: Mapping[Hashable, int] | None = None,
+        forks: Iterable[tuple[Hashable, Sequence[Hashable]]] = (),
+        appends: Mapping[Hashable, Any] | None = None,
+        admits: Iterable[Admit] = (),
+        want_metadata: bool = True,
+    ) -> StepResult:
+        """Apply one scheduler step: frees, commits, forks, appends, admissions (in that order).
+
+        One message per shard. Appends and admissions are each all-or-nothing;
+        those that cannot get blocks are returned in ``rejected`` (the
+        scheduler preempts or waits) rather than raised.
+
+        Args:
+            frees: Sequence ids to free (unknown ids are ignored).
+            commits: Id -> number of tokens whose K/V the runner has written
+                since the last commit. Committed full blocks are published to
+                the prefix cache.
+            forks: ``(parent_id, child_ids)``: each child shares all the
+                parent's blocks (beam search, parallel sampling).
+            appends: Id -> new token ids (1-D ints), or a single ``int``
+                token (the usual decode step; validated without numpy).
+            admits: :class:`Admit` items (prompt as 1-D ints).
+            want_metadata: Build block tables and slot mapping.
+
+        Returns:
+            :class:`~akv.results.StepResult` for the model runner.
+
+        Raises:
+            InvalidTokens: Bad token ids (nothing applied).
+            InvalidInput: Bad commit counts, empty appends (nothing applied).
+            UnknownSequence: A commit, fork or append names no live sequence.
+            DuplicateSequence: An admission or fork child id is already live.
+            ActorCrashed, ManagerClosed: The manager is not running.
+        """
+        self._check_running()
+        vocab = self.config.vocab_size
+        appends_arr: dict[Hashable, Any] = {}
+        for seq_id, tokens in (appends or {}).items():
+            if type(tokens) is int:  # one decode token: the per-step fast path
+                if not 0 <= tokens < vocab:
+                    raise InvalidTokens(f"token appended to {seq_id!r} is {tokens}, outside [0, {vocab})")
+                appends_arr[seq_id] = tokens
+            else:
+                appends_arr[seq_id] = as_token_array(tokens, vocab, what=f"tokens appended to {seq_id!r}")
+        admits_arr = []
+        for adm in admits:
+            if not isinstance(adm, Admit):
+                raise InvalidInput(f"admits must hold Admit items, got {type(adm).__name__}")
+            prompt = as_token_array(adm.prompt, vocab, what=f"prompt of {adm.seq_id!r}")
+            admits_arr.append(dataclasses.replace(adm, prompt=prompt))
+        forks = [(parent, tuple(children)) for parent, children in forks]
+        request = StepRequest(
+            frees=tuple(frees),
+            commits=dict(commits or {}),
+            forks=forks,
+            appends=appends_arr,
+            admits=admits_arr,
+            want_metadata=want_metadata,
+        )
+        if len(self._shards) == 1:
+            outcome, ticket = await self._ask(self._shards[0], Step(request))
+            return self._result([outcome], [ticket] if ticket is not None else [])
+        return await self._step_sharded(request)
+
+    async def _step_sharded(self, request: StepRequest) -> StepResult:
+        route = self._route
+        parts: dict[int, dict[str, Any]] = {}
+
+        def part(shard: int) -> dict[str, Any]:
+            return parts.setdefault(shard, {"frees": [], "commits": {}, "forks": [], "appends": {}, "admits": []})
+
+        def where(seq_id: Hashable) -> int:
+            try:
+                return route[seq_id]
+            except KeyError:
+                raise UnknownSequence(seq_id) from None
+
+        for seq_id in request.frees:
+            if seq_id in route:
+                part(route[seq_id])["frees"].append(seq_id)
+        for seq_id, n in request.commits.items():
+            part(where(seq_id))["commits"][seq_id] = n
+        children: dict[Hashable, int] = {}
+        for parent, kids in request.forks:
+            shard = children[parent] if parent in children else where(parent)
+            part(shard)["forks"].append((parent, kids))
+            children.update(dict.fromkeys(kids, shard))
+        for seq_id, tokens in request.appends.items():
+            shard = children[seq_id] if seq_id in children else where(seq_id)
+            part(shard)["appends"][seq_id] = tokens
+        free_now = [s.free_fraction for s in self._shards]
+        for adm in request.admits:
+            shard = max(range(len(free_now)), key=lambda i: free_now[i])
+            free_now[shard] -= len(adm.prompt) / (self.config.block_size * self._shards[shard].state.pool.num_blocks)
+            part(shard)["admits"].append(adm)
+        outcomes, tickets = [], []
+        for shard, fields in sorted(parts.items()):
+            sub = StepRequest(**fields, want_metadata=request.want_metadata)
+            outcome, ticket = await self._ask(self._shards[shard], Step(sub))
+            outcomes.append(outcome)
+            if ticket is not None:
+                tickets.append(ticket)
+            for seq_id in outcome.freed:
+                route.pop(seq_id, None)
+            for kid, kid_shard in children.items():
+                if kid_shard == shard:
+                    route[kid] = shard
+            for seq_id in outcome.cached_tokens:
+                route[seq_id] = shard
+        return self._result(outcomes, tickets)
+
+    def _result(self, outcomes: list[StepOutcome], tickets: list) -> StepResult:
+        if tickets:
+            self._tickets = [t for t in self._tickets if not t.done()]
+            self._tickets.extend(tickets)
+        copies = CopyCompletion(tickets) if tickets else NO_COPIES
+        if len(outcomes) == 1:
+            o = outcomes[0]
+            return StepResult(
+                seq_ids=tuple(o.seq_ids),
+                block_tables=_tensor(o.block_tables),
+                context_lens=_tensor(o.context_lens),
+                query_start_loc=_tensor(o.query_start_loc),
+                slot_mapping=_tensor(o.slot_mapping),
+                cached_tokens=o.cached_tokens,
+                rejected=o.rejected,
+                copies=copies,
+                freed=tuple(o.freed),
+                evicted_blocks=o.evicted_blocks,
+            )
+        seq_ids, cached, rejected, freed = [], {}, {}, []
+        for o in outcomes:
+            seq_ids.extend(o.seq_ids)
+            cached.update(o.cached_tokens)
+            rejected.update(o.rejected)
+            freed.extend(o.freed)
+        with_meta = [o for o in outcomes if o.block_tables is not None]
+        tables = context = qsl = slots = None
+        if with_meta:
+            width = max(o.block_tables.shape[1] for o in with_meta)
+            tables = np.zeros((sum(o.block_tables.shape[0] for o in with_meta), width), dtype=np.int32)
+            row = 0
+            for o in with_meta:
+                b, w = o.block_tables.shape
+                tables[row : row + b, :w] = o.block_tables
+                row += b
+            context = np.concatenate([o.context_lens for o in with_meta])
+            slots = np.concatenate([o.slot_mapping for o in with_meta])
+            lens = np.concatenate([np.diff(o.query_start_loc) for o in with_meta])
+            qsl = np.zeros(len(lens) + 1, dtype=np.int32)
+            np.cumsum(lens, out=qsl[1:])
+        return StepResult(
+            seq_ids=tuple(seq_ids),
+            block_tables=_tensor(tables),
+            context_lens=_tensor(context),
+            query_start_loc=_tensor(qsl),
+            slot_mapping=_tensor(slots),
+            cached_tokens=cached,
+            rejected=rejected,
+            copies=copies,
+            freed=tuple(freed),
+            evicted_blocks=sum(o.evicted_blocks for o in outcomes),
+        )
+
+    # ------------------------------------------------- one-sequence helpers
+    async def add_sequence(self, seq_id: Hashable, prompt: Any, *, namespace: Hashable = None) -> int:
+        """Add a sequence from its prompt and allocate its blocks (all or nothing).
+
+        Args:
+            seq_id: New caller-chosen id (e.g. the request id).
+            prompt: Token ids, 1-D ints, non-empty.
+            namespace: Prefix-cache namespace (tenant, adapter, model epoch).
+
+        Returns:
+            Prompt tokens served from the prefix cache: whole blocks, and never
+            the last prompt token (it is always computed), so at most
+            ``(len(prompt) - 1) // block_size * block_size``.
+
+        Raises:
+            InvalidTokens: Empty or bad prompt (nothing allocated).
+            DuplicateSequence: ``seq_id`` is live.
+            PoolExhausted: Transient: not enough free plus evictable blocks now.
+            RequestTooLarge: Permanent: more blocks than the shard holds.
+        """
+        result = await self.step(admits=[Admit(seq_id=seq_id, prompt=prompt, namespace=namespace)], want_metadata=False)
+        if seq_id in result.rejected:
+            raise result.rejected[seq_id]
+        return result.cached_tokens[seq_id]
+
+    async def append(self, seq_id: Hashable, token_ids: Any) -> StepResult:
+        """Append tokens to a sequence (copy-on-write of a shared partial tail first).
+
+        Returns:
+            A one-row :class:`~akv.results.StepResult` with the new tokens'
+            slot mapping and the copy completion to wait on.
+
+        Raises:
+            UnknownSequence, InvalidTokens, PoolExhausted, RequestTooLarge.
+        """
+        result = await self.step(appends={seq_id: token_ids})
+        if seq_id in result.rejected:
+            raise result.rejected[seq_id]
+        return result
+
+    async def commit(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Report that the K/V of the next ``num_tokens`` tokens of ``seq_id`` is written.
+
+        Raises:
+            UnknownSequence: Not live.
+            InvalidInput: More tokens than appended and not yet committed.
+        """
+        await self.step(commits={seq_id: num_tokens}, want_metadata=False)
+
+    async def fork(self, seq_id: Hashable, child_ids: Sequence[Hashable]) -> None:
+        """Fork ``seq_id`` into each of ``child_ids``; children share every block.
+
+        Raises:
+            UnknownSequence: ``seq_id`` is not live.
+            DuplicateSequence: A child id is live or repeated.
+        """
+        if isinstance(child_ids, (str, bytes)) or not isinstance(child_ids, Iterable):
+            raise InvalidInput(f"child_ids must be a sequence of ids, got {child_ids!r}")
+        await self.step(forks=[(seq_id, tuple(child_ids))], want_metadata=False)
+
+    async def free(self, seq_id: Hashable) -> bool:
+        """Free a sequence's blocks (full published blocks stay cached). Idempotent.
+
+        Returns:
+            True if the sequence was live, False if unknown or already freed.
+        """
+        result = await self.step(frees=(seq_id,), want_metadata=False)
+        return bool(result.freed)
+
+    # ---------------------------------------------------------------- queries
+    async def lookup(self, prompt: Any, *, namespace: Hashable = None) -> int:
+        """Prompt tokens that would be served from the cache right now; no side effects.
+
+        For cache-aware routers: touches neither recency nor refcounts.
+
+        Raises:
+            InvalidTokens: Bad prompt.
+        """
+        arr = as_token_array(prompt, self.config.vocab_size, what="prompt")
+        bs = self.config.block_size
+        keys = block_keys(arr, bs, (len(arr) - 1) // bs)
+        ops = [("lookup", (shard.state.shard_index, namespace), keys) for shard in self._shards]
+        results = await self._ask(self._tree, ops)
+        return max(results) * bs
+
+    async def sequence(self, seq_id: Hashable) -> SequenceInfo:
+        """Snapshot of one sequence (tokens, block table, counts).
+
+        Raises:
+            UnknownSequence: Not live.
+        """
+        if len(self._shards) == 1:
+            return await self._ask(self._shards[0], Inspect(seq_id))
+        if seq_id not in self._route:
+            raise UnknownSequence(seq_id)
+        return await self._ask(self._shards[self._route[seq_id]], Inspect(seq_id))
+
+    async def wait_copies(self) -> None:
+        """Wait until every copy submitted so far has run."""
+        for ticket in list(self._tickets):
+            await ticket.wait_async()
+        self._tickets = [t for t in self._tickets if not t.done()]
+
+    async def stats(self) -> CacheStats:
+        """Snapshot of block states, counters and actor inbox depths."""
+        shard_stats: list[ShardStats] = [await self._ask(s, Stats()) for s in self._shards]
+        (tree_blocks,) = await self._ask(self._tree, [("size",)])
+        c = [s.counters for s in shard_stats]
+        prompt = sum(x.prompt_tokens for x in c)
+        cached = sum(x.cached_tokens for x in c)
+        free = sum(s.free for s in shard_stats)
+        depth = {a.name: a.max_inbox_depth for a in self._actors}
+        return CacheStats(
+            num_blocks=self.config.num_blocks,
+            block_size=self.config.block_size,
+            free=free,
+            active=sum(s.active for s in shard_stats),
+            cached=sum(s.cached for s in shard_stats),
+            in_flight=sum(s.in_flight for s in shard_stats),
+            usage=1.0 - free / self.config.num_blocks,
+            num_sequences=sum(s.num_sequences for s in shard_stats),
+            prefix_cache_blocks=tree_blocks,
+            prompt_tokens=prompt,
+            cached_tokens=cached,
+            hit_rate=cached / prompt if prompt else 0.0,
+            blocks_allocated=sum(x.blocks_allocated for x in c),
+            blocks_evicted=sum(x.blocks_evicted for x in c),
+            eviction_batches=sum(x.eviction_batches for x in c),
+            cow_copies=sum(x.cow_copies for x in c),
+            forks=sum(x.forks for x in c),
+            sequences_added=sum(x.sequences_added for x in c),
+            sequences_freed=sum(x.sequences_freed for x in c),
+            pool_exhausted=sum(x.pool_exhausted for x in c),
+            eviction_loop_batches=self._eviction.stats.batches,
+            eviction_loop_blocks=self._eviction.stats.blocks,
+            max_inbox_depth=depth,
+            pool_bytes=self.storage.nbytes if self.storage is not None else 0,
+        )
+
+    async def check(self) -> None:
+        """Full consistency check at a quiescent point (waits for pending copies first).
+
+        Checks every block's state against refcounts and block tables, the free
+        queue, the LRU list, that exactly the published blocks are in the
+        prefix tree, and that the tree's links are consistent.
+
+        Raises:
+            ActorCrashed: An inconsistency was found (the check's AssertionError
+                crashes the shard: a broken invariant is never silent).
+        """
+        await self.wait_copies()
+        tree_ids = tuple(await self._ask(self._tree, ("snapshot",)))
+        for shard in self._shards:
+            await self._ask(shard, Check(tree_ids))
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks not free (0.0-1.0), as published by the shards after their last message.
+
+        A gauge, read without a message: cheap enough to sample every step.
+        """
+        free = sum(s.free_fraction * s.state.pool.num_blocks for s in self._shards)
+        return 1.0 - free / self.config.num_blocks
+
+    @property
+    def blocks_in_use(self) -> int:
+        """Blocks referenced by sequences or pending copies (not free, not merely cached); a gauge."""
+        return sum(s.blocks_in_use for s in self._shards)
+
+    @property
+    def inbox_depths(self) -> dict[str, int]:
+        """Messages waiting in each actor's inbox now."""
+        return {a.name: a.inbox_depth for a in self._actors}
+
+
+def _tensor(array: np.ndarray | None) -> torch.Tensor | None:
+    return None if array is None else torch.from_numpy(array)

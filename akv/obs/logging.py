@@ -1,0 +1,75 @@
+"""structlog set-up for applications that embed akv, and for akv's own commands.
+
+Library code only calls ``structlog.get_logger("akv")`` and binds context;
+this helper is what an application calls once at start-up (akv never calls
+it on import).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import structlog
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
+def configure_logging(*, level: str = "info", json: bool = False, json_path: Path | str | None = None) -> None:
+    """Route structlog events through stdlib logging to stderr and optionally a JSON-lines file.
+
+    Args:
+        level: Console level name: ``debug``, ``info``, ``warning`` or ``error``.
+        json: Render console lines as JSON instead of the human format.
+        json_path: Also write every event at ``info`` or above (or ``level``
+            if lower) as one JSON object per line to this file (truncated).
+
+    Raises:
+        ValueError: Unknown level name.
+    """
+    try:
+        console_level = _LEVELS[level.lower()]
+    except KeyError:
+        raise ValueError(f"unknown log level {level!r}; use one of {', '.join(_LEVELS)}") from None
+    file_level = min(console_level, logging.INFO)
+    min_level = file_level if json_path is not None else console_level
+    shared = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    structlog.configure(
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.make_filtering_bound_logger(min_level),
+        cache_logger_on_first_use=False,
+    )
+    root = logging.getLogger("akv")
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.close()
+    root.setLevel(min_level)
+    root.propagate = False
+    console = logging.StreamHandler(sys.stderr)
+    console.setLevel(console_level)
+    renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    console.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer]
+        )
+    )
+    root.addHandler(console)
+    if json_path is not None:
+        handler = logging.FileHandler(json_path, mode="w", encoding="utf-8")
+        handler.setLevel(file_level)
+        handler.setFormatter(
+            structlog.stdlib.ProcessorFormatter(
+                processors=[
+                    structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    structlog.processors.dict_tracebacks,
+                    structlog.processors.JSONRenderer(),
+                ]
+            )
+        )
+        root.addHandler(handler)

@@ -1,0 +1,56 @@
+"""Presentation of a replay: the summary table and the progress bar (rich)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from akv.config import KVCacheConfig
+from akv.replay.scheduler import ReplayReport
+
+
+@contextmanager
+def progress_bar(total: int, *, enabled: bool = True) -> Iterator[Callable[[int, int], None]]:
+    """A ``progress(done, total)`` callback drawing a bar on a terminal; a no-op elsewhere."""
+    if not enabled or not sys.stderr.isatty():
+        yield lambda done, total: None
+        return
+    with Progress(
+        TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=Console(stderr=True), transient=True
+    ) as bar:
+        task = bar.add_task("replay", total=total)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+def print_summary(report: ReplayReport, config: KVCacheConfig, trace: Path) -> None:
+    """Print the replay's numbers as a table on stdout."""
+    table = Table(title=f"akv replay: {trace.name}", show_header=True, header_style="bold")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    gib = config.pool_bytes / 2**30
+    rows = [
+        ("requests (finished / dropped)", f"{report.requests_finished:,} / {report.requests_rejected:,} of {report.requests:,}"),
+        ("model / storage", f"{config.model.name} / {'metadata only' if config.storage == 'none' else config.device}"),
+        ("pool", f"{config.num_blocks:,} blocks x {config.block_size} tokens ({gib:,.2f} GiB)"),
+        ("prompt tokens", f"{report.prompt_tokens:,}"),
+        ("cached tokens (prefix hits)", f"{report.cached_tokens:,}"),
+        ("hit rate", f"{report.hit_rate:.2%}"),
+        ("output tokens", f"{report.output_tokens:,}"),
+        ("decode steps", f"{report.decode_steps:,}"),
+        ("peak blocks in use", f"{report.peak_blocks_in_use:,} ({report.peak_blocks_in_use / config.num_blocks:.1%})"),
+        ("peak running sequences", f"{report.peak_running:,}"),
+        ("evicted blocks", f"{report.evictions:,}"),
+        ("preemptions (re-admissions)", f"{report.preemptions:,} ({report.readmissions:,})"),
+        ("step latency p50 / p99", f"{report.step_latency_us.get('p50', 0):,.0f} / {report.step_latency_us.get('p99', 0):,.0f} us"),
+        ("simulated time", f"{report.simulated_s:,.1f} s"),
+        ("wall time", f"{report.wall_s:,.2f} s"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    Console().print(table)

@@ -1,0 +1,284 @@
+"""A continuous-batching scheduler that replays a request trace through the manager.
+
+The simulated engine works like vLLM's scheduler (FCFS, recompute preemption):
+
+- Simulated time advances by ``step_ms`` per step and jumps to the next
+  arrival when nothing runs. A request is admitted once it has arrived, in
+  arrival order, while the batch has room and the pool can hold its prompt;
+  a request the pool can never hold is dropped and counted.
+- A request's prefill runs in its admission step: it is admitted with
+  ``prefill_done`` so its full prompt blocks are published to the prefix cache
+  before the next request is admitted. The last prompt token is always
+  computed, so a prompt is never served wholly from cache.
+- Every step appends one generated token to every running sequence and
+  commits the token appended in the previous step; a sequence finishes after
+  ``output_length`` tokens and is freed in the next step.
+- When the pool cannot hold a decode step, the newest running sequence is
+  preempted: its blocks are freed and it is re-admitted later with its prompt
+  plus the tokens generated so far (recomputation). Hit counting covers first
+  admissions only; re-admissions are counted apart.
+
+Exactly one ``KVCacheManager.step`` call per scheduler step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from akv.core.step import Admit
+from akv.errors import PoolExhausted, RequestTooLarge
+from akv.manager import KVCacheManager
+from akv.trace import TraceRequest, synthesize_output, synthesize_prompt
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReplayOptions:
+    """Scheduler knobs.
+
+    Args:
+        max_batch: Running sequences at most.
+        step_ms: Simulated milliseconds per step (decode iteration).
+        max_prefill_tokens: Prompt tokens admitted per step at most (the first
+            admission of a step is always allowed).
+        max_output_tokens: Cap on each request's output length (None: as traced).
+        trace_block_tokens: Tokens per trace hash id (Mooncake: 512).
+        seed: Seed of the synthesized tokens.
+        want_metadata: Build block tables and slot mappings every step, as a
+            model runner would need.
+    """
+
+    max_batch: int = 256
+    step_ms: float = 20.0
+    max_prefill_tokens: int = 65_536
+    max_output_tokens: int | None = None
+    trace_block_tokens: int = 512
+    seed: int = 0
+    want_metadata: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1 or self.step_ms <= 0 or self.max_prefill_tokens < 1:
+            raise ValueError("max_batch, step_ms and max_prefill_tokens must be positive")
+        if self.max_output_tokens is not None and self.max_output_tokens < 0:
+            raise ValueError("max_output_tokens must be >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class ReplayReport:
+    """Numbers of one replay (units in the names; tokens unless named)."""
+
+    requests: int = 0
+    requests_finished: int = 0
+    requests_rejected: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    hit_rate: float = 0.0
+    readmissions: int = 0
+    readmit_prompt_tokens: int = 0
+    readmit_cached_tokens: int = 0
+    output_tokens: int = 0
+    decode_steps: int = 0
+    preemptions: int = 0
+    evictions: int = 0
+    cow_copies: int = 0
+    num_blocks: int = 0
+    block_size: int = 0
+    peak_blocks_in_use: int = 0  # referenced by running sequences (cached blocks excluded)
+    peak_running: int = 0
+    simulated_s: float = 0.0
+    wall_s: float = 0.0
+    step_latency_us: dict = field(default_factory=dict)
+    cached_tokens_per_request: list = field(default_factory=list)
+
+    def as_json(self) -> dict:
+        """The report as JSON-ready data (without the per-request list)."""
+        out = {f: getattr(self, f) for f in self.__slots__ if f != "cached_tokens_per_request"}
+        return out
+
+
+class _Running:
+    __slots__ = ("index", "seq_id", "prompt_len", "output_len", "generated", "outputs", "admitted_at")
+
+    def __init__(self, index: int, seq_id: str, prompt_len: int, output_len: int, outputs: np.ndarray) -> None:
+        self.index = index
+        self.seq_id = seq_id
+        self.prompt_len = prompt_len
+        self.output_len = output_len
+        self.generated = 0
+        self.outputs = outputs
+        self.admitted_at = 0
+
+
+async def replay(
+    kv: KVCacheManager,
+    requests: Sequence[TraceRequest],
+    options: ReplayOptions = ReplayOptions(),
+    *,
+    progress: Callable[[int, int], None] | None = None,
+) -> ReplayReport:
+    """Replay ``requests`` through a running manager and report what happened.
+
+    Args:
+        kv: An entered :class:`~akv.manager.KVCacheManager`.
+        requests: Trace records in arrival order.
+        options: Scheduler knobs.
+        progress: Called as ``progress(finished_or_dropped, total)`` about every
+            second of wall time.
+
+    Returns:
+        The report; ``cached_tokens_per_request`` lists first-admission hits
+        by request index.
+    """
+    cfg = kv.config
+    vocab = cfg.vocab_size
+    report = ReplayReport(requests=len(requests), num_blocks=cfg.num_blocks, block_size=cfg.block_size)
+    report.cached_tokens_per_request = [0] * len(requests)
+    waiting: deque[tuple[int, np.ndarray | None]] = deque()  # (request index, resume tokens)
+    arrivals = deque(range(len(requests)))
+    running: dict[str, _Running] = {}
+    order: list[str] = []  # admission order, newest last (preemption victims)
+    admitted_once = [False] * len(requests)
+    synthesized: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # tokens of waiting requests
+    frees: list[str] = []
+    commits: dict[str, int] = {}
+    latencies: list[float] = []
+    now_ms = 0.0
+    done = 0
+    next_progress = time.perf_counter() + 1.0
+    t_start = time.perf_counter()
+
+    def out_len(req: TraceRequest) -> int:
+        n = req.output_length
+        return n if options.max_output_tokens is None else min(n, options.max_output_tokens)
+
+    while arrivals or waiting or running or frees:
+        while arrivals and requests[arrivals[0]].timestamp_ms <= now_ms:
+            waiting.append((arrivals.popleft(), None))
+        if not running and not waiting and not frees and arrivals:
+            now_ms = float(requests[arrivals[0]].timestamp_ms)
+            continue
+
+        appends: dict[str, int] = {}
+        for seq_id, r in running.items():
+            if r.generated < r.output_len:
+                appends[seq_id] = int(r.outputs[r.generated])
+
+        admits: list[Admit] = []
+        pending: list[tuple[int, np.ndarray | None, _Running]] = []
+        budget = options.max_prefill_tokens
+        slots = options.max_batch - len(running)
+        while waiting and slots > 0:
+            index, resume = waiting[0]
+            req = requests[index]
+            if index not in synthesized:
+                synthesized[index] = (
+                    synthesize_prompt(
+                        req.hash_ids,
+                        req.input_length,
+                        vocab_size=vocab,
+                        trace_block_tokens=options.trace_block_tokens,
+                        seed=options.seed,
+                    ),
+                    synthesize_output(index, out_len(req), vocab_size=vocab, seed=options.seed),
+                )
+            prompt, outputs = synthesized[index]
+            tokens = prompt if resume is None else np.concatenate([prompt, resume])
+            if admits and len(tokens) > budget:
+                break
+            waiting.popleft()
+            seq_id = f"r{index}"
+            r = _Running(index, seq_id, len(prompt), out_len(req), outputs)
+            if resume is not None:
+                r.generated = len(resume)
+            admits.append(Admit(seq_id=seq_id, prompt=tokens, prefill_done=True))
+            pending.append((index, resume, r))
+            budget -= len(tokens)
+            slots -= 1
+
+        t0 = time.perf_counter()
+        result = await kv.step(
+            frees=frees, commits=commits, appends=appends, admits=admits, want_metadata=options.want_metadata
+        )
+        latencies.append(time.perf_counter() - t0)
+        report.decode_steps += 1
+        frees = []
+        commits = {}
+
+        for seq_id in appends:
+            if seq_id in result.rejected:
+                continue
+            r = running[seq_id]
+            r.generated += 1
+            report.output_tokens += 1
+            commits[seq_id] = 1
+        requeue: list[tuple[int, np.ndarray | None]] = []
+        for index, resume, r in pending:
+            err = result.rejected.get(r.seq_id)
+            if err is None:
+                synthesized.pop(index, None)
+                cached = result.cached_tokens[r.seq_id]
+                if admitted_once[index]:
+                    report.readmissions += 1
+                    report.readmit_prompt_tokens += r.prompt_len + r.generated
+                    report.readmit_cached_tokens += cached
+                else:
+                    admitted_once[index] = True
+                    report.prompt_tokens += r.prompt_len
+                    report.cached_tokens += cached
+                    report.cached_tokens_per_request[index] = cached
+                running[r.seq_id] = r
+                order.append(r.seq_id)
+            elif isinstance(err, RequestTooLarge):
+                synthesized.pop(index, None)
+                report.requests_rejected += 1
+                done += 1
+            else:
+                requeue.append((index, resume))
+        waiting.extendleft(reversed(requeue))
+
+        short = sum(1 for s in appends if isinstance(result.rejected.get(s), PoolExhausted))
+        while short > 0 and order:
+            victim = order.pop()
+            r = running.pop(victim)
+            commits.pop(victim, None)
+            frees.append(victim)
+            report.preemptions += 1
+            waiting.appendleft((r.index, r.outputs[: r.generated].copy()))
+            short -= 1
+
+        for seq_id in [s for s, r in running.items() if r.generated >= r.output_len]:
+            running.pop(seq_id)
+            order.remove(seq_id)
+            commits.pop(seq_id, None)
+            frees.append(seq_id)
+            report.requests_finished += 1
+            done += 1
+
+        report.peak_blocks_in_use = max(report.peak_blocks_in_use, kv.blocks_in_use)
+        report.peak_running = max(report.peak_running, len(running))
+        now_ms += options.step_ms
+        if progress is not None and time.perf_counter() >= next_progress:
+            progress(done, len(requests))
+            next_progress = time.perf_counter() + 1.0
+
+    if progress is not None:
+        progress(done, len(requests))
+    report.wall_s = time.perf_counter() - t_start
+    report.simulated_s = now_ms / 1000.0
+    report.hit_rate = report.cached_tokens / report.prompt_tokens if report.prompt_tokens else 0.0
+    stats = await kv.stats()
+    report.evictions = stats.blocks_evicted
+    report.cow_copies = stats.cow_copies
+    if latencies:
+        lat = np.array(latencies) * 1e6
+        report.step_latency_us = {
+            "p50": round(float(np.percentile(lat, 50)), 1),
+            "p99": round(float(np.percentile(lat, 99)), 1),
+            "max": round(float(lat.max()), 1),
+            "mean": round(float(lat.mean()), 1),
+        }
+    return report

@@ -1,0 +1,147 @@
+"""What the manager hands back to a scheduler and model runner (torch tensors, snapshots)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class CopyCompletion:
+    """The copy-on-write copies of one step, submitted to the stream worker.
+
+    On CUDA, ``fences`` holds one ``torch.cuda.Event`` per shard batch; the
+    model runner makes its stream wait on them before attention reads (or the
+    next write touches) the copied blocks::
+
+        for fence in result.copies.fences:
+            torch.cuda.current_stream().wait_event(fence)
+
+    On CPU, await :meth:`wait` (it does not block the event loop).
+
+    Args:
+        tickets: The stream worker's tickets, one per shard that copied.
+    """
+
+    __slots__ = ("tickets",)
+
+    def __init__(self, tickets: Sequence[Any] = ()) -> None:
+        self.tickets = tuple(tickets)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks copied by this step."""
+        return sum(t.num_blocks for t in self.tickets)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes copied by this step (0 in metadata mode)."""
+        return sum(t.nbytes for t in self.tickets)
+
+    @property
+    def fences(self) -> list:
+        """CUDA events to wait on (empty on CPU and when nothing was copied)."""
+        return [t.fence for t in self.tickets if t.fence is not None]
+
+    def done(self) -> bool:
+        """Whether every copy has run (non-blocking)."""
+        return all(t.done() for t in self.tickets)
+
+    async def wait(self) -> None:
+        """Wait until every copy has run; re-raise a copy failure.
+
+        Raises:
+            ActorCrashed: The stream worker failed a copy.
+        """
+        for t in self.tickets:
+            await t.wait_async()
+
+
+NO_COPIES = CopyCompletion()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepResult:
+    """Everything a model runner needs for one step, plus what the scheduler must know.
+
+    Rows are the scheduled sequences: successful appends, then successful
+    admissions, in request order.
+
+    Attributes:
+        seq_ids: Scheduled sequence ids, one per row.
+        block_tables: int32 ``(batch, max_blocks)``, padded with 0.
+        context_lens: int32 ``(batch,)``: tokens per sequence including this
+            step's new ones.
+        query_start_loc: int32 ``(batch + 1,)``: row ``i``'s new tokens are
+            ``slot_mapping[query_start_loc[i]:query_start_loc[i+1]]``.
+        slot_mapping: int64 ``(num_new_tokens,)``: where each new token's K/V
+            goes, ``block_id * block_size + offset`` (vLLM's ``slot_mapping``).
+        cached_tokens: Admitted id -> prompt tokens served from the prefix cache.
+        rejected: Id -> :class:`~akv.errors.PoolExhausted` or
+            :class:`~akv.errors.RequestTooLarge` for appends and admissions not
+            applied (their state is unchanged).
+        copies: The step's copy-on-write copies; wait on them first.
+        freed: Ids that were live and are now freed.
+        evicted_blocks: Blocks evicted on demand during the step.
+    """
+
+    seq_ids: tuple[Hashable, ...] = ()
+    block_tables: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    query_start_loc: torch.Tensor | None = None
+    slot_mapping: torch.Tensor | None = None
+    cached_tokens: Mapping[Hashable, int] = field(default_factory=dict)
+    rejected: Mapping[Hashable, Exception] = field(default_factory=dict)
+    copies: CopyCompletion = NO_COPIES
+    freed: tuple[Hashable, ...] = ()
+    evicted_blocks: int = 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CacheStats:
+    """Snapshot of the whole manager (units: blocks and tokens unless named).
+
+    Attributes:
+        num_blocks: Blocks in the pool.
+        block_size: Tokens per block.
+        free, active, cached, in_flight: Blocks per state; they add up to
+            ``num_blocks`` at every quiescent point.
+        usage: ``1 - free / num_blocks`` (0.0-1.0).
+        num_sequences: Live sequences.
+        prefix_cache_blocks: Blocks in the prefix tree.
+        prompt_tokens: Prompt tokens of all admissions (each admission counted).
+        cached_tokens: Of those, tokens served from the prefix cache.
+        hit_rate: ``cached_tokens / prompt_tokens`` (0.0 when none).
+        blocks_allocated, blocks_evicted, eviction_batches, cow_copies, forks,
+        sequences_added, sequences_freed, pool_exhausted: Monotonic counters.
+        eviction_loop_batches, eviction_loop_blocks: Work of the background loop.
+        max_inbox_depth: Actor name -> highest inbox depth seen (messages).
+        pool_bytes: Bytes of K/V tensors (0 in metadata mode).
+    """
+
+    num_blocks: int
+    block_size: int
+    free: int
+    active: int
+    cached: int
+    in_flight: int
+    usage: float
+    num_sequences: int
+    prefix_cache_blocks: int
+    prompt_tokens: int
+    cached_tokens: int
+    hit_rate: float
+    blocks_allocated: int
+    blocks_evicted: int
+    eviction_batches: int
+    cow_copies: int
+    forks: int
+    sequences_added: int
+    sequences_freed: int
+    pool_exhausted: int
+    eviction_loop_batches: int
+    eviction_loop_blocks: int
+    max_inbox_depth: Mapping[str, int]
+    pool_bytes: int
