@@ -10,9 +10,11 @@ Pure and synchronous. Every block id in ``block_ids`` is in exactly one state:
   evicted right now); neither allocatable nor evictable.
 
 Complexities: allocate ``O(n)`` for ``n`` blocks, free/incref/decref ``O(1)``
-per block, touching a cached block (taking it out of the LRU order on a hit)
-``O(1)`` through an intrusive doubly linked list over block offsets, the same
-structure as vLLM v1's ``FreeKVCacheBlockQueue`` (``vllm/v1/core/kv_cache_utils.py``).
+per block, and taking a cached block out of the LRU order on a hit ``O(1)``:
+the order is an ``OrderedDict`` (a hash map threaded by a doubly linked list,
+in C), which gives what vLLM v1's ``FreeKVCacheBlockQueue`` gets from its
+intrusive list (``vllm/v1/core/kv_cache_utils.py``) at a fraction of the
+Python-level cost.
 
 The LRU order is kept here, beside the refcounts, because a block enters it
 exactly when its refcount drops to zero and leaves it exactly when a hit takes
@@ -21,6 +23,7 @@ a reference: one owner makes "match then pin" atomic (see docs/architecture.md).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 
 FREE = 0
@@ -28,8 +31,6 @@ ACTIVE = 1
 CACHED = 2
 IN_FLIGHT = 3
 STATE_NAMES = ("free", "active", "cached", "in_flight")
-
-_NIL = -1
 
 
 class BlockPool:
@@ -53,8 +54,7 @@ class BlockPool:
         "_published",
         "_copy_pins",
         "_free",
-        "_prev",
-        "_next",
+        "_lru",
         "_counts",
         "total_refs",
     )
@@ -70,11 +70,7 @@ class BlockPool:
         self._published = [False] * n
         self._copy_pins: dict[int, int] = {}
         self._free = list(reversed(block_ids))  # pop() yields the lowest id first
-        # Intrusive LRU list over offsets; index n is the sentinel (head/tail).
-        self._prev = [_NIL] * (n + 1)
-        self._next = [_NIL] * (n + 1)
-        self._prev[n] = n
-        self._next[n] = n
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached block ids, oldest first
         self._counts = [n, 0, 0, 0]
         #: Sum of all refcounts; equals the block-table references of live sequences.
         self.total_refs = 0
@@ -122,12 +118,7 @@ class BlockPool:
 
     def lru_order(self) -> list[int]:
         """Cached block ids from least to most recently released (eviction order). O(cached)."""
-        out, n = [], self.num_blocks
-        i = self._next[n]
-        while i != n:
-            out.append(i + self.first_block_id)
-            i = self._next[i]
-        return out
+        return list(self._lru)
 
     # ---------------------------------------------------------------- mutations
     def allocate(self, num_blocks: int) -> list[int]:
@@ -165,7 +156,7 @@ class BlockPool:
             i = b - base
             s = state[i]
             if s == CACHED:
-                self._lru_unlink(i)
+                del self._lru[b]
                 state[i] = ACTIVE
                 self._counts[CACHED] -= 1
                 self._counts[ACTIVE] += 1
@@ -230,18 +221,23 @@ class BlockPool:
         (removed from the prefix cache, now free) or :meth:`evict_abort` (back
         at the LRU head). O(taken + skipped).
         """
-        out, n, base = [], self.num_blocks, self.first_block_id
-        nxt, state = self._next, self._state
-        i = nxt[n]
-        while len(out) < max_blocks and i != n:
-            following = nxt[i]
-            if skip and (i + base) in skip:
-                i = following
-                continue
-            self._lru_unlink(i)
-            state[i] = IN_FLIGHT
-            out.append(i + base)
-            i = following
+        base, state, lru = self.first_block_id, self._state, self._lru
+        if not skip:
+            out = []
+            for _ in range(min(max_blocks, len(lru))):
+                b = lru.popitem(last=False)[0]
+                state[b - base] = IN_FLIGHT
+                out.append(b)
+        else:
+            out = []
+            for b in lru:
+                if len(out) >= max_blocks:
+                    break
+                if b not in skip:
+                    out.append(b)
+            for b in out:
+                del lru[b]
+                state[b - base] = IN_FLIGHT
         self._counts[CACHED] -= len(out)
         self._counts[IN_FLIGHT] += len(out)
         return out
@@ -263,11 +259,11 @@ class BlockPool:
 
     def evict_abort(self, block_ids: list[int]) -> None:
         """Put blocks taken by :meth:`evict_begin` back at the LRU head, in order."""
-        base = self.first_block_id
+        base, lru = self.first_block_id, self._lru
         for b in reversed(block_ids):
-            i = b - base
-            self._state[i] = CACHED
-            self._lru_push_head(i)
+            self._state[b - base] = CACHED
+            lru[b] = None
+            lru.move_to_end(b, last=False)
         self._counts[IN_FLIGHT] -= len(block_ids)
         self._counts[CACHED] += len(block_ids)
 
@@ -280,30 +276,11 @@ class BlockPool:
         elif self._published[i]:
             self._state[i] = CACHED
             self._counts[CACHED] += 1
-            n, prev, nxt = self.num_blocks, self._prev, self._next
-            last = prev[n]
-            prev[i] = last
-            nxt[i] = n
-            nxt[last] = i
-            prev[n] = i
+            self._lru[i + self.first_block_id] = None
         else:
             self._state[i] = FREE
             self._counts[FREE] += 1
             self._free.append(i + self.first_block_id)
-
-    def _lru_unlink(self, i: int) -> None:
-        p, q = self._prev[i], self._next[i]
-        self._next[p] = q
-        self._prev[q] = p
-        self._prev[i] = self._next[i] = _NIL
-
-    def _lru_push_head(self, i: int) -> None:
-        n = self.num_blocks
-        first = self._next[n]
-        self._prev[i] = n
-        self._next[i] = first
-        self._prev[first] = i
-        self._next[n] = i
 
     def check(self) -> None:
         """Full O(num_blocks) consistency check.

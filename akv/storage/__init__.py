@@ -1,0 +1,19 @@
+"""Torch storage for akv: the paged K/V tensors, ordered block copies, reference paged attention.
+
+Layout of every layer's tensor (vLLM PagedAttention, FlashAttention paged KV)::
+
+    # (2, num_blocks, block_size, num_kv_heads, head_dim), K then V
+"""
+
+from akv.storage.kv_pool import KVStorage, torch_dtype
+from akv.storage.paged_attention import paged_decode_attention, paged_prefill_attention
+from akv.storage.stream_worker import CopyExecutor, CopyTicket
+
+__all__ = [
+    "CopyExecutor",
+    "CopyTicket",
+    "KVStorage",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "torch_dtype",
+]

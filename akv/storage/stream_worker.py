@@ -1,0 +1,367 @@
+"""The stream worker's execution engine: block copies in submission order, off the event loop.
+
+:class:`CopyExecutor` takes batches of ``(src, dst)`` block copies
+(:meth:`KVStorage.copy_blocks` semantics) and runs them strictly in submission
+order; each :meth:`CopyExecutor.submit` returns a :class:`CopyTicket` to wait
+on (blocking, or ``await`` without blocking the loop). The async actor wrapper
+lives in :mod:`akv.actors`; this module holds no asyncio state.
+
+On CUDA, copies run on a dedicated ``torch.cuda.Stream``. They are *enqueued
+by* :meth:`~CopyExecutor.submit` (kernel launches are asynchronous, so this
+does not wait for the GPU): the copy stream first waits on an event recorded
+on the submitter's current stream (so the copies see every write issued
+before ``submit``), then the copies, then the ticket's ``fence`` event. The
+worker thread only ``fence.synchronize()``-s and marks tickets done. Enqueueing
+in ``submit`` rather than in the thread is deliberate: ``cudaStreamWaitEvent``
+on an event that has not been recorded yet is a no-op, so a fence recorded
+later by the thread could silently fail to order a model runner that waits on
+it right after ``submit``. Here ``ticket.fence`` is recorded before ``submit``
+returns.
+
+On CPU, the worker thread runs the copies with torch ops (large copies release
+the GIL). With ``CopyExecutor(None)`` (metadata-only pools) every batch
+completes inside ``submit`` and no tensor is touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import anyio.to_thread
+import torch
+
+from akv.errors import ActorCrashed, InvalidInput, ManagerClosed
+from akv.storage.kv_pool import IndexLike, KVStorage
+
+_ACTOR = "stream worker"
+logger = logging.getLogger(__name__)
+
+
+class CopyTicket:
+    """One submitted copy batch: a thread-safe completion plus a CUDA fence.
+
+    Attributes:
+        seq_no: Submission number, 1 for the first batch of an executor.
+        num_blocks: Block pairs copied by the batch.
+        nbytes: Bytes written (``num_blocks * bytes_per_block``; 0 in metadata mode).
+        fence: On CUDA, a ``torch.cuda.Event`` recorded on the copy stream after
+            the copies, already recorded when :meth:`CopyExecutor.submit`
+            returns; a consumer orders its stream after the copies with
+            ``torch.cuda.current_stream().wait_event(ticket.fence)`` before it
+            reads a destination or writes a source block. ``None`` on CPU and
+            in metadata mode (wait on the ticket instead).
+    """
+
+    __slots__ = ("_callbacks", "_done", "_exc", "_lock", "fence", "nbytes", "num_blocks", "seq_no")
+
+    def __init__(self, *, seq_no: int, num_blocks: int, nbytes: int, fence: torch.cuda.Event | None) -> None:
+        self.seq_no = seq_no
+        self.num_blocks = num_blocks
+        self.nbytes = nbytes
+        self.fence = fence
+        self._done = threading.Event()
+        self._exc: BaseException | None = None
+        self._callbacks: list[Callable[[CopyTicket], object]] = []
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        """True once the batch has finished or failed (non-blocking)."""
+        return self._done.is_set()
+
+    def exception(self) -> BaseException | None:
+        """The batch's exception if it failed; ``None`` if it succeeded or is still pending."""
+        return self._exc
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block the calling thread until the batch is done.
+
+        Args:
+            timeout_s: Seconds to wait at most; ``None`` waits forever.
+
+        Raises:
+            TimeoutError: Not done within ``timeout_s``.
+            BaseException: The copy's own exception, re-raised, if it failed.
+        """
+        if not self._done.wait(timeout_s):
+            raise TimeoutError(f"copy batch {self.seq_no} not done after {timeout_s} s")
+        if self._exc is not None:
+            raise self._exc
+
+    async def wait_async(self) -> None:
+        """Wait without blocking the event loop (anyio).
+
+        Returns at once if done; otherwise blocks a worker thread
+        (``anyio.to_thread.run_sync(..., abandon_on_cancel=True)``), so a
+        cancelled caller returns promptly; the abandoned thread ends when the
+        batch completes (every batch completes or fails, also on close). Each
+        pending wait holds one anyio worker thread (default limit 40); an actor
+        with many tickets in flight should rather use :meth:`add_done_callback`.
+
+        Raises:
+            BaseException: The copy's own exception, re-raised, if it failed.
+        """
+        if not self._done.is_set():
+            await anyio.to_thread.run_sync(self._done.wait, abandon_on_cancel=True)
+        if self._exc is not None:
+            raise self._exc
+
+    def add_done_callback(self, fn: Callable[[CopyTicket], object]) -> None:
+        """Call ``fn(ticket)`` once done, from the worker thread (or now if already done).
+
+        ``fn`` must be quick and thread-safe, e.g. ``loop.call_soon_threadsafe``
+        or an ``anyio.from_thread`` call; its exceptions are logged and otherwise ignored.
+        """
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        _call_quietly(fn, self)
+
+    def _finish(self, exc: BaseException | None) -> None:
+        with self._lock:
+            self._exc = exc
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            _call_quietly(fn, self)
+
+    def __repr__(self) -> str:
+        state = "pending" if not self.done() else ("failed" if self._exc else "done")
+        return f"CopyTicket(seq_no={self.seq_no}, num_blocks={self.num_blocks}, {state})"
+
+
+def _call_quietly(fn: Callable[[CopyTicket], object], ticket: CopyTicket) -> None:
+    try:
+        fn(ticket)
+    except Exception:  # a callback must not kill the worker; report it and go on
+        logger.exception("done callback of copy batch %d failed", ticket.seq_no)
+
+
+@dataclass(slots=True)
+class _Job:
+    ticket: CopyTicket
+    src: torch.Tensor | None  # (m,) int64 ids on the cache device; None on CUDA (already enqueued)
+    dst: torch.Tensor | None
+    keepalive: tuple[torch.Tensor, ...] = ()  # CUDA: index tensors the enqueued copies read
+
+
+_STOP = object()
+
+
+class CopyExecutor:
+    """Runs block-copy batches in submission order on one thread (and one CUDA stream).
+
+    Two ways to run the worker: :meth:`start` (a daemon ``threading.Thread``),
+    or hand :meth:`run_forever` to someone else's thread, e.g. the async actor
+    doing ``await anyio.to_thread.run_sync(executor.run_forever)`` and later
+    ``executor.close()`` from the event loop, which makes ``run_forever``
+    return after the queued batches.
+
+    A failure inside the worker (device error, OOM; bad input is rejected by
+    :meth:`submit`) fails that batch and breaks the executor: later batches
+    would copy from unordered data, so they fail with
+    :class:`~akv.errors.ActorCrashed` and so does every later ``submit``.
+
+    Args:
+        storage: The tensors to copy in; ``None`` for metadata-only mode, where
+            batches complete inside ``submit`` (block counts kept, ``nbytes`` 0).
+
+    Attributes:
+        completed_seq_no: ``seq_no`` of the last batch that finished or failed
+            (0 before any); monotone, readable from any thread.
+    """
+
+    def __init__(self, storage: KVStorage | None) -> None:
+        self.storage = storage
+        self.completed_seq_no = 0
+        self._queue: queue.SimpleQueue[_Job | object] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards seq numbering, enqueue order and state flags
+        self._next_seq_no = 1
+        self._closed = False
+        self._abort = False
+        self._claimed = False  # some thread runs (or ran) the worker loop
+        self._failure: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._cuda = storage is not None and storage.device.type == "cuda"
+        self._stream = torch.cuda.Stream(storage.device) if self._cuda else None
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has been called."""
+        return self._closed
+
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """The dedicated copy stream on CUDA, else ``None``."""
+        return self._stream
+
+    def start(self) -> None:
+        """Run the worker loop on a new daemon thread.
+
+        Raises:
+            RuntimeError: The worker loop is already running.
+            ManagerClosed: The executor is closed.
+        """
+        with self._lock:
+            if self._closed:
+                raise ManagerClosed("copy executor is closed")
+            self._claim_locked()
+            self._thread = threading.Thread(target=self._loop, name="akv-copy-executor", daemon=True)
+        self._thread.start()
+
+    def run_forever(self) -> None:
+        """Run the worker loop in the calling thread until :meth:`close`.
+
+        Returns after the batches queued before ``close`` have finished (or
+        failed, with ``close(drain=False)`` or after a failure). Returns at once
+        if the loop already ran to completion (e.g. inside ``close``).
+
+        Raises:
+            RuntimeError: The worker loop is already running elsewhere.
+        """
+        with self._lock:
+            if self._claimed and self._closed:
+                return
+            self._claim_locked()
+        self._loop()
+
+    def _claim_locked(self) -> None:
+        if self._claimed:
+            raise RuntimeError("copy executor worker is already running")
+        self._claimed = True
+
+    def submit(self, src_ids: IndexLike, dst_ids: IndexLike) -> CopyTicket:
+        """Queue one batch ``cache[:, dst] = cache[:, src]`` in every layer; non-blocking, thread-safe.
+
+        Validation runs here, so bad input raises before anything is queued.
+        On CUDA the copies are also enqueued on the copy stream here (ordered
+        after the caller's current stream); see the module docstring.
+
+        Args:
+            src_ids: ``(m,)`` source block ids (list or int32/int64 tensor).
+            dst_ids: ``(m,)`` destination block ids, pairwise with ``src_ids``.
+
+        Returns:
+            The batch's ticket; batches complete in ``seq_no`` order.
+
+        Raises:
+            InvalidInput: See :meth:`KVStorage.check_copy_ids` (with storage).
+            ManagerClosed: :meth:`close` was called.
+            ActorCrashed: An earlier batch failed inside the worker.
+        """
+        storage = self.storage
+        if storage is None:
+            num_blocks = len(src_ids)
+            if num_blocks != len(dst_ids):
+                raise InvalidInput(f"src_ids has {num_blocks} ids but dst_ids has {len(dst_ids)}")
+            with self._lock:
+                self._check_open_locked()
+                ticket = CopyTicket(seq_no=self._next_seq_no, num_blocks=num_blocks, nbytes=0, fence=None)
+                self._next_seq_no += 1
+                self.completed_seq_no = ticket.seq_no
+            ticket._finish(None)
+            return ticket
+        src, dst = storage.check_copy_ids(src_ids, dst_ids)  # CPU int64, validated
+        nbytes = src.numel() * storage.bytes_per_block
+        with self._lock:
+            self._check_open_locked()
+            seq_no = self._next_seq_no
+            if self._cuda:
+                job = self._enqueue_cuda(seq_no, src, dst, nbytes)
+            else:
+                ticket = CopyTicket(seq_no=seq_no, num_blocks=src.numel(), nbytes=nbytes, fence=None)
+                job = _Job(ticket, src, dst)
+            self._next_seq_no += 1
+            self._queue.put(job)
+        return job.ticket
+
+    def _check_open_locked(self) -> None:
+        if self._closed:
+            raise ManagerClosed("copy executor is closed")
+        if self._failure is not None:
+            raise ActorCrashed(_ACTOR, self._failure) from self._failure
+
+    def _enqueue_cuda(self, seq_no: int, src: torch.Tensor, dst: torch.Tensor, nbytes: int) -> _Job:
+        storage, stream = self.storage, self._stream
+        assert storage is not None and stream is not None, "CUDA path without storage or stream"
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(storage.device))  # writes issued before submit
+        fence = torch.cuda.Event(blocking=True)  # the worker thread sleeps in synchronize(), no spinning
+        src_host, dst_host = src.pin_memory(), dst.pin_memory()
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            src_dev = src_host.to(storage.device, non_blocking=True)
+            dst_dev = dst_host.to(storage.device, non_blocking=True)
+            storage._copy_unchecked(src_dev, dst_dev)
+            fence.record(stream)
+        ticket = CopyTicket(seq_no=seq_no, num_blocks=src.numel(), nbytes=nbytes, fence=fence)
+        return _Job(ticket, None, None, keepalive=(src_host, dst_host, src_dev, dst_dev))
+
+    def close(self, drain: bool = True, timeout_s: float | None = None) -> None:
+        """Stop accepting batches, finish (or fail) the queued ones, stop the worker.
+
+        Idempotent. Joins the thread :meth:`start` created; a :meth:`run_forever`
+        running in another thread returns on its own once the queue is done. If
+        no worker loop ever ran, the queued batches are processed here, in the
+        calling thread.
+
+        Args:
+            drain: ``True`` runs the queued batches; ``False`` fails those not
+                yet started with :class:`~akv.errors.ManagerClosed` (on CUDA
+                copies already enqueued on the stream cannot be recalled, so
+                they are still waited for).
+            timeout_s: Seconds to wait for the :meth:`start` thread; ``None``
+                waits as long as it takes.
+        """
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._queue.put(_STOP)
+            self._abort = self._abort or not drain
+            run_here = not self._claimed
+            self._claimed = True
+        if run_here:
+            self._loop()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is _STOP:
+                return
+            assert isinstance(job, _Job), f"unexpected queue item {job!r}"
+            self._run(job)
+
+    def _run(self, job: _Job) -> None:
+        exc: BaseException | None = None
+        try:
+            self._execute(job)
+        except (ActorCrashed, ManagerClosed) as err:
+            exc = err
+        except Exception as err:  # reported through the ticket; breaks the executor
+            exc = err
+            with self._lock:
+                self._failure = err
+        job.keepalive = ()
+        self.completed_seq_no = job.ticket.seq_no
+        job.ticket._finish(exc)
+
+    def _execute(self, job: _Job) -> None:
+        if self._failure is not None:
+            raise ActorCrashed(_ACTOR, self._failure) from self._failure
+        if job.ticket.fence is not None:  # CUDA: enqueued by submit; cannot be recalled
+            job.ticket.fence.synchronize()
+        elif self._abort:
+            raise ManagerClosed(f"copy executor closed before batch {job.ticket.seq_no} ran")
+        elif job.src is not None and job.dst is not None and self.storage is not None:
+            self.storage._copy_unchecked(job.src, job.dst)
+
+    def __repr__(self) -> str:
+        mode = "metadata" if self.storage is None else str(self.storage.device)
+        return f"CopyExecutor({mode}, completed_seq_no={self.completed_seq_no}, closed={self._closed})"
