@@ -33,7 +33,7 @@ from akv.errors import ActorCrashed, AkvError, ManagerClosed
 class Reply:
     """One-shot reply slot of an ask."""
 
-    __slots__ = ("_event", "_value", "_error")
+    __slots__ = ("_error", "_event", "_value")
 
     def __init__(self) -> None:
         self._event = anyio.Event()

@@ -47,15 +47,15 @@ class BlockPool:
     """
 
     __slots__ = (
-        "first_block_id",
-        "num_blocks",
-        "_state",
-        "_refcount",
-        "_published",
         "_copy_pins",
+        "_counts",
         "_free",
         "_lru",
-        "_counts",
+        "_published",
+        "_refcount",
+        "_state",
+        "first_block_id",
+        "num_blocks",
         "total_refs",
     )
 
@@ -176,16 +176,29 @@ class BlockPool:
         Raises:
             ValueError: A block's refcount is already 0 (a double free).
         """
-        base, ref = self.first_block_id, self._refcount
+        base, ref, state, published = self.first_block_id, self._refcount, self._state, self._published
+        pins, lru, free, counts = self._copy_pins, self._lru, self._free, self._counts
         for b in block_ids:
             i = b - base
-            if ref[i] <= 0:
-                raise ValueError(f"decref of block {b} with refcount {ref[i]} (double free)")
-            ref[i] -= 1
+            r = ref[i] - 1
+            if r < 0:
+                raise ValueError(f"decref of block {b} with refcount 0 (double free)")
+            ref[i] = r
             self.total_refs -= 1
-            if ref[i] == 0:
-                self._counts[ACTIVE] -= 1
-                self._release(i)
+            if r:
+                continue
+            counts[ACTIVE] -= 1
+            if pins and b in pins:
+                state[i] = IN_FLIGHT
+                counts[IN_FLIGHT] += 1
+            elif published[i]:
+                state[i] = CACHED
+                counts[CACHED] += 1
+                lru[b] = None
+            else:
+                state[i] = FREE
+                counts[FREE] += 1
+                free.append(b)
 
     def mark_published(self, block_ids: Iterable[int]) -> None:
         """Record that these (referenced) blocks are now in the prefix cache."""

@@ -106,16 +106,16 @@ class Sequence:
     """
 
     __slots__ = (
-        "seq_id",
-        "namespace",
-        "tokens",
         "block_ids",
-        "num_computed",
-        "num_published",
-        "publish_stopped",
-        "num_prompt_tokens",
+        "namespace",
         "num_cached_tokens",
+        "num_computed",
+        "num_prompt_tokens",
+        "num_published",
         "parent_id",
+        "publish_stopped",
+        "seq_id",
+        "tokens",
     )
 
     def __init__(self, seq_id: Hashable, namespace: Hashable, prompt: np.ndarray) -> None:

@@ -158,7 +158,8 @@ class ShardState:
         for seq_id, n in req.commits.items():
             seq = seqs[seq_id]
             seq.num_computed += n
-            self._queue_publish(seq, ops, publishing)
+            if seq.num_computed // bs > seq.num_published:
+                self._queue_publish(seq, ops, publishing)
 
         for parent_id, child_ids in req.forks:
             parent = seqs[parent_id]
@@ -191,28 +192,32 @@ class ShardState:
         scheduled: list[tuple[Sequence, int, int]] = []
         for seq_id, tokens in req.appends.items():
             seq = seqs[seq_id]
-            start = seq.num_tokens
-            k = 1 if type(tokens) is int else len(tokens)
-            tail = start % bs != 0 and pool.refcount(seq.block_ids.last()) > 1
-            need = -(-(start + k) // bs) - len(seq.block_ids) + tail
-            err = yield from self._make_room(need, protected, out)
-            if err is not None:
-                out.rejected[seq_id] = err
-                continue
+            blocks = seq.block_ids
+            start = len(seq.tokens)
+            single = type(tokens) is int
+            k = 1 if single else len(tokens)
+            tail = start % bs != 0 and pool.refcount(blocks.last()) > 1
+            need = (start + k + bs - 1) // bs - len(blocks) + tail
+            if need > pool.num_free:
+                err = yield from self._make_room(need, protected, out)
+                if err is not None:
+                    out.rejected[seq_id] = err
+                    continue
             if tail:
-                old = seq.block_ids.last()
+                old = blocks.last()
                 (new,) = pool.allocate(1)
-                seq.block_ids.set(len(seq.block_ids) - 1, new)
+                blocks.set(len(blocks) - 1, new)
                 pool.pin_for_copy((old,))
                 pool.decref((old,))
                 out.copies.append((old, new))
                 self.counters.cow_copies += 1
                 need -= 1
             if need:
-                seq.block_ids.extend(pool.allocate(need))
+                blocks.extend(pool.allocate(need))
                 self.table_refs += need
-            self.counters.blocks_allocated += need + tail
-            if k == 1 and type(tokens) is int:
+                self.counters.blocks_allocated += need
+            self.counters.blocks_allocated += tail
+            if single:
                 seq.tokens.append(tokens)
             else:
                 seq.tokens.extend(tokens)
@@ -228,7 +233,7 @@ class ShardState:
             if i in matches:
                 hits = matches[i]
             elif self.enable_prefix_cache:
-                results = yield pending_ops + [("match", ns, block_keys(prompt, bs, max_hit_blocks))]
+                results = yield [*pending_ops, ("match", ns, block_keys(prompt, bs, max_hit_blocks))]
                 self._apply_published(pending, results)
                 pending, pending_ops = [], []
                 hits = results[-1]
@@ -293,15 +298,15 @@ class ShardState:
             return seq_id in seqs and seq_id not in freed
 
         for seq_id, n in req.commits.items():
-            if not live(seq_id):
+            seq = seqs.get(seq_id)
+            if seq is None or seq_id in freed:
                 raise UnknownSequence(seq_id)
-            if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
+            if type(n) is not int and (not isinstance(n, np.integer) or isinstance(n, bool)):
                 raise InvalidInput(f"commit of {n!r} tokens for sequence {seq_id!r}: need an int >= 0")
-            seq = seqs[seq_id]
-            if seq.num_computed + n > seq.num_tokens:
+            if n < 0 or seq.num_computed + n > len(seq.tokens):
                 raise InvalidInput(
-                    f"commit of {n} tokens for sequence {seq_id!r} exceeds its history: "
-                    f"{seq.num_computed} computed of {seq.num_tokens} tokens"
+                    f"commit of {n} tokens for sequence {seq_id!r}: need 0 <= n <= "
+                    f"{len(seq.tokens) - seq.num_computed} ({seq.num_computed} of {len(seq.tokens)} tokens computed)"
                 )
         created: set = set()
         for parent_id, child_ids in req.forks:
@@ -315,7 +320,7 @@ class ShardState:
             if parent_id in created and parent_id not in seqs:
                 raise InvalidInput(f"fork of {parent_id!r}, a child created in the same step; fork it next step")
         for seq_id, tokens in req.appends.items():
-            if not live(seq_id) and seq_id not in created:
+            if (seq_id not in seqs or seq_id in freed) and seq_id not in created:
                 raise UnknownSequence(seq_id)
             if type(tokens) is not int and len(tokens) == 0:
                 raise InvalidInput(f"append of no tokens to sequence {seq_id!r}")

@@ -101,7 +101,7 @@ class ReplayReport:
 
 
 class _Running:
-    __slots__ = ("index", "seq_id", "prompt_len", "output_len", "generated", "outputs", "admitted_at")
+    __slots__ = ("admitted_at", "generated", "index", "output_len", "outputs", "prompt_len", "seq_id")
 
     def __init__(self, index: int, seq_id: str, prompt_len: int, output_len: int, outputs: np.ndarray) -> None:
         self.index = index
