@@ -13,7 +13,7 @@ from pathlib import Path
 import anyio
 
 from akv.config import MODEL_SHAPES, KVCacheConfig, model_shape
-from akv.errors import AkvError, TraceError
+from akv.errors import ActorCrashed, AkvError, TraceError
 
 
 def _positive_int(text: str) -> int:
@@ -106,7 +106,13 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     path = args.trace or default_trace_path()
     requests = read_trace(path, limit=args.limit)
     config = _replay_config(args)
-    options = ReplayOptions(max_batch=args.max_batch, step_ms=args.step_ms, max_output_tokens=args.max_output_tokens, seed=args.seed)
+    options = ReplayOptions(
+        max_batch=args.max_batch,
+        step_ms=args.step_ms,
+        max_output_tokens=args.max_output_tokens,
+        seed=args.seed,
+        want_metadata=config.storage != "none",
+    )
 
     async def run() -> object:
         async with KVCacheManager(config) as kv:
@@ -141,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     except TraceError as exc:
         print(f"akv: error: {exc}", file=sys.stderr)
         return 2
+    except ActorCrashed as exc:
+        print(f"akv: internal error, the manager failed: {exc}", file=sys.stderr)
+        return 1
     except (AkvError, ValueError, OSError) as exc:
         print(f"akv: error: {exc}", file=sys.stderr)
         return 2

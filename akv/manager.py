@@ -145,7 +145,9 @@ class KVCacheManager:
             await self._stopped[self._tree.name].wait()
             self._executor.close(drain=self._failure is None)
         try:
-            await self._tg.__aexit__(exc_type, exc, tb)
+            # Every task has ended by now; the caller's own exception (if any)
+            # propagates unchanged instead of inside an exception group.
+            await self._tg.__aexit__(None, None, None)
         finally:
             failed = self._failure is not None
             self._phase = "failed" if failed else "closed"
@@ -301,9 +303,11 @@ class KVCacheManager:
             free_now[shard] -= len(adm.prompt) / (self.config.block_size * self._shards[shard].state.pool.num_blocks)
             part(shard)["admits"].append(adm)
         outcomes, tickets = [], []
+        self._check_running()
         for shard, fields in sorted(parts.items()):
             sub = StepRequest(**fields, want_metadata=request.want_metadata)
-            outcome, ticket = await self._ask(self._shards[shard], Step(sub))
+            with anyio.CancelScope(shield=True):  # all shards' parts, or none
+                outcome, ticket = await self._shards[shard].ask(Step(sub))
             outcomes.append(outcome)
             if ticket is not None:
                 tickets.append(ticket)
@@ -314,6 +318,7 @@ class KVCacheManager:
                     route[kid] = shard
             for seq_id in outcome.cached_tokens:
                 route[seq_id] = shard
+        await anyio.lowlevel.checkpoint_if_cancelled()
         return self._result(outcomes, tickets)
 
     def _result(self, outcomes: list[StepOutcome], tickets: list) -> StepResult:

@@ -1,8 +1,8 @@
 """Sequence state: token history, block table, computed and published counts.
 
-Token ids and block ids are kept in growable int32 numpy arrays (capacity
-doubles), so appending is amortized O(1) and a model runner's padded block
-table is a slice copy, not a rebuild from Python lists.
+Token ids are kept in a growable int32 numpy array (capacity doubles), so
+appending is amortized O(1); the block table is a row of the shard's
+:class:`~akv.core.block_table.BlockTables`.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 import numpy as np
+
+from akv.core.block_table import BlockTableRow
 
 
 class GrowableInt32:
@@ -93,8 +95,8 @@ class Sequence:
         seq_id: Caller-chosen id (any hashable: request id, ``"req-7/beam-2"``).
         namespace: Prefix-cache namespace (tenant, adapter, model epoch).
         tokens: Token history, int32.
-        block_ids: Block table: block ids in logical order, int32; block ``i``
-            holds tokens ``[i*block_size, (i+1)*block_size)``.
+        block_ids: Block table (a row of the shard's tables): block ids in
+            logical order; block ``i`` holds tokens ``[i*block_size, (i+1)*block_size)``.
         num_computed: Tokens whose K/V the model runner has committed.
         num_published: Leading blocks that are in the prefix cache as this
             sequence's own blocks.
@@ -113,39 +115,47 @@ class Sequence:
         "num_prompt_tokens",
         "num_published",
         "parent_id",
+        "prompt_keys",
         "publish_stopped",
         "seq_id",
         "tokens",
     )
 
-    def __init__(self, seq_id: Hashable, namespace: Hashable, prompt: np.ndarray) -> None:
+    def __init__(self, seq_id: Hashable, namespace: Hashable, prompt: np.ndarray, block_ids: BlockTableRow) -> None:
         self.seq_id = seq_id
         self.namespace = namespace
         self.tokens = GrowableInt32(prompt, capacity=len(prompt) + 64)
-        self.block_ids = GrowableInt32()
+        self.block_ids = block_ids
         self.num_computed = 0
         self.num_published = 0
         self.publish_stopped = False
         self.num_prompt_tokens = len(prompt)
         self.num_cached_tokens = 0
         self.parent_id: Hashable | None = None
+        #: Radix-tree keys of the prompt's full blocks, computed once at admission.
+        self.prompt_keys: list[bytes] = []
 
     @property
     def num_tokens(self) -> int:
         """Tokens in the history (prompt plus appended)."""
         return len(self.tokens)
 
-    def fork(self, child_id: Hashable) -> Sequence:
-        """A child sharing this sequence's history; the caller increfs the blocks."""
+    def fork(self, child_id: Hashable, block_ids: BlockTableRow) -> Sequence:
+        """A child sharing this sequence's history, its table copied into the empty row ``block_ids``.
+
+        The caller increfs the blocks.
+        """
         child = Sequence.__new__(Sequence)
         child.seq_id = child_id
         child.namespace = self.namespace
         child.tokens = self.tokens.copy()
-        child.block_ids = self.block_ids.copy()
+        self.block_ids.copy_to(block_ids)
+        child.block_ids = block_ids
         child.num_computed = self.num_computed
         child.num_published = self.num_published
         child.publish_stopped = self.publish_stopped
         child.num_prompt_tokens = self.num_prompt_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.parent_id = self.seq_id
+        child.prompt_keys = self.prompt_keys
         return child

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from akv.core.block_pool import CACHED, BlockPool
+from akv.core.block_table import BlockTables
 from akv.core.radix_tree import RadixTree, block_keys
 from akv.core.sequence import Sequence
 from akv.core.step import StepOutcome, StepRequest
@@ -99,6 +100,7 @@ class ShardState:
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
         self.pool = BlockPool(block_ids)
+        self.tables = BlockTables()
         self.sequences: dict[Hashable, Sequence] = {}
         self.counters = ShardCounters()
         #: Block-table references held by live sequences (equals pool.total_refs).
@@ -164,7 +166,7 @@ class ShardState:
         for parent_id, child_ids in req.forks:
             parent = seqs[parent_id]
             for child_id in child_ids:
-                child = parent.fork(child_id)
+                child = parent.fork(child_id, self.tables.new_row())
                 ids = child.block_ids.tolist()
                 pool.incref(ids)
                 self.table_refs += len(ids)
@@ -172,18 +174,19 @@ class ShardState:
                 self.counters.forks += 1
 
         # Batch the matches of ordinary admissions with the inserts in one tree message.
+        bs_keys = [block_keys(adm.prompt, bs, len(adm.prompt) // bs) for adm in req.admits] if self.enable_prefix_cache else []
         matches: dict[int, list[int]] = {}
         match_slots: list[int] = []
         if self.enable_prefix_cache:
             for i, adm in enumerate(req.admits):
                 if not adm.prefill_done:
                     n = (len(adm.prompt) - 1) // bs
-                    ops.append(("match", self.namespace_key(adm.namespace), block_keys(adm.prompt, bs, n)))
+                    ops.append(("match", self.namespace_key(adm.namespace), bs_keys[i][:n]))
                     match_slots.append(i)
         if ops:
             results = yield ops
             self._apply_published(publishing, results)
-            for i, res in zip(match_slots, results[len(publishing):]):
+            for i, res in zip(match_slots, results[len(publishing) :]):
                 matches[i] = res
         protected: set[int] = set()
         for hits in matches.values():
@@ -233,7 +236,7 @@ class ShardState:
             if i in matches:
                 hits = matches[i]
             elif self.enable_prefix_cache:
-                results = yield [*pending_ops, ("match", ns, block_keys(prompt, bs, max_hit_blocks))]
+                results = yield [*pending_ops, ("match", ns, bs_keys[i][:max_hit_blocks])]
                 self._apply_published(pending, results)
                 pending, pending_ops = [], []
                 hits = results[-1]
@@ -247,7 +250,9 @@ class ShardState:
             if err is not None:
                 out.rejected[adm.seq_id] = err
                 continue
-            seq = Sequence(adm.seq_id, adm.namespace, prompt)
+            seq = Sequence(adm.seq_id, adm.namespace, prompt, self.tables.new_row())
+            if self.enable_prefix_cache:
+                seq.prompt_keys = bs_keys[i]
             pool.incref(hits)
             seq.block_ids.extend(hits)
             seq.block_ids.extend(pool.allocate(need))
@@ -335,6 +340,7 @@ class ShardState:
         ids = seq.block_ids.tolist()
         ids.reverse()  # deepest first: on ties the deepest block is evicted first
         self.pool.decref(ids)
+        self.tables.release(seq.block_ids)
         self.table_refs -= len(ids)
         self.counters.sequences_freed += 1
 
@@ -347,7 +353,10 @@ class ShardState:
         if full <= start:
             return
         parent = seq.block_ids[start - 1] if start else None
-        keys = block_keys(seq.tokens.view()[start * bs :], bs, full - start)
+        if full <= len(seq.prompt_keys):
+            keys = seq.prompt_keys[start:full]
+        else:
+            keys = block_keys(seq.tokens.view()[start * bs :], bs, full - start)
         ids = seq.block_ids.view()[start:full].tolist()
         ops.append(("insert", self.namespace_key(seq.namespace), parent, keys, ids))
         publishing.append((seq, start, ids))
@@ -397,33 +406,36 @@ class ShardState:
         return evicted
 
     def _fill_metadata(self, out: StepOutcome, scheduled: list[tuple[Sequence, int, int]]) -> None:
+        """Block tables, context lengths and slot mapping of the scheduled rows, vectorized.
+
+        ``slot = block_table[row, pos // block_size] * block_size + pos % block_size``
+        for every new token, computed for the whole batch at once.
+        """
         bs = self.block_size
         batch = len(scheduled)
         out.seq_ids = [s.seq_id for s, _, _ in scheduled]
-        max_blocks = max((len(s.block_ids) for s, _, _ in scheduled), default=0)
-        tables = np.zeros((batch, max_blocks), dtype=np.int32)
-        context = np.empty(batch, dtype=np.int32)
-        qsl = np.zeros(batch + 1, dtype=np.int32)
-        total = 0
-        for i, (seq, _, k) in enumerate(scheduled):
-            n = len(seq.block_ids)
-            tables[i, :n] = seq.block_ids.view()
-            context[i] = seq.num_tokens
-            total += k
-            qsl[i + 1] = total
-        slots = np.empty(total, dtype=np.int64)
-        o = 0
-        for seq, start, k in scheduled:
-            if k == 1:
-                slots[o] = seq.block_ids[start // bs] * bs + start % bs
-            else:
-                pos = np.arange(start, start + k, dtype=np.int64)
-                slots[o : o + k] = seq.block_ids.view()[pos // bs].astype(np.int64) * bs + pos % bs
-            o += k
+        if not batch:
+            out.block_tables = np.zeros((0, 0), dtype=np.int32)
+            out.context_lens = np.zeros(0, dtype=np.int32)
+            out.query_start_loc = np.zeros(1, dtype=np.int32)
+            out.slot_mapping = np.zeros(0, dtype=np.int64)
+            return
+        rows = np.fromiter((s.block_ids.row for s, _, _ in scheduled), dtype=np.intp, count=batch)
+        tables = self.tables.gather(rows, max(s.block_ids.n for s, _, _ in scheduled))
+        starts = np.fromiter((p for _, p, _ in scheduled), dtype=np.int64, count=batch)
+        lens = np.fromiter((k for _, _, k in scheduled), dtype=np.int64, count=batch)
+        qsl = np.zeros(batch + 1, dtype=np.int64)
+        np.cumsum(lens, out=qsl[1:])
+        total = int(qsl[-1])
+        if total == batch:  # decode: one new token per row
+            row_of, pos = np.arange(batch), starts
+        else:
+            row_of = np.repeat(np.arange(batch), lens)
+            pos = starts[row_of] + (np.arange(total) - qsl[row_of])
         out.block_tables = tables
-        out.context_lens = context
-        out.query_start_loc = qsl
-        out.slot_mapping = slots
+        out.context_lens = (starts + lens).astype(np.int32)
+        out.query_start_loc = qsl.astype(np.int32)
+        out.slot_mapping = tables[row_of, pos // bs].astype(np.int64) * bs + pos % bs
 
     # ------------------------------------------------------------- checking
     def check_counters(self) -> None:

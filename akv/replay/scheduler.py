@@ -49,7 +49,8 @@ class ReplayOptions:
         trace_block_tokens: Tokens per trace hash id (Mooncake: 512).
         seed: Seed of the synthesized tokens.
         want_metadata: Build block tables and slot mappings every step, as a
-            model runner would need.
+            model runner would need (``akv replay`` turns it off in metadata
+            mode, where no runner reads them).
     """
 
     max_batch: int = 256

@@ -1,0 +1,177 @@
+"""The result of a stress run (:class:`StressReport`), as JSON and as a table."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FaultInjection:
+    """Outcome of ``--inject-crash-after-s``.
+
+    Attributes:
+        injected: The actor actually raised.
+        actor: The actor made to raise.
+        tasks: Tasks alive when it raised.
+        tasks_failed_fast: Of those, tasks that got ``ActorCrashed`` or
+            ``ManagerClosed`` within ``hang_timeout_s``.
+        tasks_hung: Tasks that got no error in time.
+        max_error_latency_s: Longest time from the fault to a task's error.
+        aexit_raised: ``KVCacheManager.__aexit__`` raised ``ActorCrashed``.
+        fresh_manager_ok: A short program on a new manager passed every check.
+    """
+
+    injected: bool
+    actor: str
+    tasks: int
+    tasks_failed_fast: int
+    tasks_hung: int
+    max_error_latency_s: float | None
+    aexit_raised: bool
+    fresh_manager_ok: bool
+
+    @property
+    def ok(self) -> bool:
+        """Every caller failed fast, the exit raised, and a fresh manager works."""
+        return (
+            self.injected
+            and self.tasks_hung == 0
+            and self.tasks_failed_fast == self.tasks
+            and self.aexit_raised
+            and self.fresh_manager_ok
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StressReport:
+    """Numbers of one stress run (units: calls, blocks, tokens, seconds, microseconds).
+
+    ``leaked_blocks`` and ``leaked_sequences`` are ``None`` when the manager
+    failed before the final check could run.
+    """
+
+    seed: int
+    backend: str
+    duration_s: float
+    sequences: int
+    num_blocks: int
+    block_size: int
+    operations: int
+    ops_per_s: float
+    calls: dict[str, int]
+    latency_us: dict[str, dict[str, float]]
+    programs: dict[str, int]
+    forks: int
+    cow_copies: int
+    evictions: int
+    eviction_batches: int
+    eviction_loop_batches: int
+    eviction_loop_wakeups: int
+    pool_exhausted: int
+    retries: int
+    gave_up: int
+    cancellations: int
+    aborts: int
+    verifications: int
+    verified_tokens: int
+    corrupted_reads: int
+    invariant_violations: int
+    unexpected_errors: int
+    hung_calls: int
+    leaked_blocks: int | None
+    leaked_sequences: int | None
+    nonempty_inboxes: dict[str, int]
+    prefix_hit_rate: float
+    max_inbox_depth: dict[str, int]
+    final_stats: dict[str, int]
+    errors: list[str] = field(default_factory=list)
+    samples: list[dict] = field(default_factory=list)
+    fault_injection: FaultInjection | None = None
+
+    @property
+    def failures(self) -> list[str]:
+        """Why the run failed (empty when it passed)."""
+        out = []
+        if self.corrupted_reads:
+            out.append(f"{self.corrupted_reads} corrupted reads")
+        if self.invariant_violations:
+            out.append(f"{self.invariant_violations} invariant violations")
+        if self.fault_injection is None:
+            if self.leaked_blocks is None or self.leaked_sequences is None:
+                out.append("final check did not run")
+            else:
+                if self.leaked_blocks:
+                    out.append(f"{self.leaked_blocks} leaked blocks")
+                if self.leaked_sequences:
+                    out.append(f"{self.leaked_sequences} live sequences left")
+            if self.nonempty_inboxes:
+                out.append(f"inboxes not empty: {self.nonempty_inboxes}")
+        elif not self.fault_injection.ok:
+            out.append("fault injection: not every caller failed fast or the fresh manager failed")
+        if self.unexpected_errors:
+            out.append(f"{self.unexpected_errors} unexpected errors")
+        if self.hung_calls:
+            out.append(f"{self.hung_calls} hung calls")
+        return out
+
+    @property
+    def ok(self) -> bool:
+        """No corrupted read, violation, leak, hang or unexpected error."""
+        return not self.failures
+
+    def as_json(self) -> dict[str, Any]:
+        """The report as JSON-ready dict (adds ``ok`` and ``failures``)."""
+        data = asdict(self)
+        data["ok"] = self.ok
+        data["failures"] = self.failures
+        return data
+
+
+def print_summary(report: StressReport, console: Console | None = None) -> None:
+    """Print the headline numbers as a table."""
+    table = Table(title=f"akv stress: seed {report.seed}, {report.backend}", header_style="bold")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    lat = report.latency_us
+    rows = [
+        ("sequences (tasks) / pool", f"{report.sequences} / {report.num_blocks:,} blocks x {report.block_size} tokens"),
+        ("duration", f"{report.duration_s:,.1f} s"),
+        ("operations (ops/s)", f"{report.operations:,} ({report.ops_per_s:,.0f}/s)"),
+        ("programs", ", ".join(f"{k} {v:,}" for k, v in sorted(report.programs.items()))),
+        ("forks / cow copies", f"{report.forks:,} / {report.cow_copies:,}"),
+        ("evictions (batches, loop batches)", f"{report.evictions:,} ({report.eviction_batches:,}, {report.eviction_loop_batches:,})"),
+        ("pool exhausted / retries / gave up", f"{report.pool_exhausted:,} / {report.retries:,} / {report.gave_up:,}"),
+        ("cancellations / aborts", f"{report.cancellations:,} / {report.aborts:,}"),
+        ("verifications (tokens)", f"{report.verifications:,} ({report.verified_tokens:,})"),
+        ("prefix hit rate", f"{report.prefix_hit_rate:.1%}"),
+        ("append p50 / p99", _p(lat.get("append"))),
+        ("add p50 / p99", _p(lat.get("add"))),
+        ("max inbox depth", ", ".join(f"{k} {v}" for k, v in report.max_inbox_depth.items())),
+        ("corrupted reads", f"{report.corrupted_reads}"),
+        ("invariant violations", f"{report.invariant_violations}"),
+        ("leaked blocks / sequences", f"{report.leaked_blocks} / {report.leaked_sequences}"),
+        ("unexpected errors / hung calls", f"{report.unexpected_errors} / {report.hung_calls}"),
+    ]
+    if report.fault_injection is not None:
+        fi = report.fault_injection
+        rows.append(
+            (
+                "fault injection",
+                f"{fi.tasks_failed_fast}/{fi.tasks} failed fast (max {fi.max_error_latency_s} s), "
+                f"exit raised {fi.aexit_raised}, fresh manager ok {fi.fresh_manager_ok}",
+            )
+        )
+    rows.append(("result", "OK" if report.ok else "FAILED: " + "; ".join(report.failures)))
+    for name, value in rows:
+        table.add_row(name, value)
+    (console or Console()).print(table)
+
+
+def _p(summary: dict[str, float] | None) -> str:
+    if not summary:
+        return "-"
+    return f"{summary['p50']:,.0f} / {summary['p99']:,.0f} us"
