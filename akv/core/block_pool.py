@@ -149,7 +149,8 @@ class BlockPool:
         """Add one reference to each block; a cached block leaves the LRU order (a hit).
 
         Raises:
-            ValueError: A block is free or in flight (it cannot be referenced).
+            ValueError: A block is free, being evicted, or an unpublished copy
+                source (it cannot be referenced).
         """
         base, state, ref = self.first_block_id, self._state, self._refcount
         for b in block_ids:
@@ -159,6 +160,12 @@ class BlockPool:
                 del self._lru[b]
                 state[i] = ACTIVE
                 self._counts[CACHED] -= 1
+                self._counts[ACTIVE] += 1
+            elif s == IN_FLIGHT and ref[i] == 0 and b in self._copy_pins and self._published[i]:
+                # A published block still read by a pending copy: its content is
+                # valid, so a prefix hit may take it; the pin only delays its release.
+                state[i] = ACTIVE
+                self._counts[IN_FLIGHT] -= 1
                 self._counts[ACTIVE] += 1
             elif s != ACTIVE:
                 raise ValueError(f"incref of block {b} in state {STATE_NAMES[s]}")
@@ -270,13 +277,20 @@ class BlockPool:
         self._counts[IN_FLIGHT] -= k
         self._counts[FREE] += k
 
-    def evict_abort(self, block_ids: list[int]) -> None:
-        """Put blocks taken by :meth:`evict_begin` back at the LRU head, in order."""
+    def evict_abort(self, block_ids: list[int], *, to_mru: bool = False) -> None:
+        """Put blocks taken by :meth:`evict_begin` back in the LRU order, in order.
+
+        Args:
+            block_ids: The blocks, as :meth:`evict_begin` returned them.
+            to_mru: Put them at the most recently used end instead of back at
+                the head (for blocks that cannot be evicted yet).
+        """
         base, lru = self.first_block_id, self._lru
-        for b in reversed(block_ids):
+        for b in block_ids if to_mru else reversed(block_ids):
             self._state[b - base] = CACHED
             lru[b] = None
-            lru.move_to_end(b, last=False)
+            if not to_mru:
+                lru.move_to_end(b, last=False)
         self._counts[IN_FLIGHT] -= len(block_ids)
         self._counts[CACHED] += len(block_ids)
 

@@ -82,6 +82,7 @@ class ShardCounters:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     pool_exhausted: int = 0
+    eviction_refusals: int = 0
 
 
 class ShardState:
@@ -200,9 +201,10 @@ class ShardState:
             single = type(tokens) is int
             k = 1 if single else len(tokens)
             tail = start % bs != 0 and pool.refcount(blocks.last()) > 1
-            need = (start + k + bs - 1) // bs - len(blocks) + tail
-            if need > pool.num_free:
-                err = yield from self._make_room(need, protected, out)
+            total = (start + k + bs - 1) // bs
+            need = total - len(blocks) + tail
+            if need > pool.num_free or total > pool.num_blocks:
+                err = yield from self._make_room(need, total, protected, out)
                 if err is not None:
                     out.rejected[seq_id] = err
                     continue
@@ -244,8 +246,9 @@ class ShardState:
             else:
                 hits = []
             hits = hits[:max_hit_blocks]
-            need = -(-length // bs) - len(hits)
-            err = yield from self._make_room(need, protected, out)
+            total = -(-length // bs)
+            need = total - len(hits)
+            err = yield from self._make_room(need, total, protected, out)
             protected.difference_update(hits)
             if err is not None:
                 out.rejected[adm.seq_id] = err
@@ -369,11 +372,15 @@ class ShardState:
             if done < len(ids):
                 seq.publish_stopped = True
 
-    def _make_room(self, need: int, protected: set[int], out: StepOutcome) -> TreeGen:
-        """Ensure ``need`` free blocks, evicting if needed; return an error instead if impossible."""
+    def _make_room(self, need: int, total: int, protected: set[int], out: StepOutcome) -> TreeGen:
+        """Ensure ``need`` free blocks, evicting if needed; return an error instead if impossible.
+
+        ``total`` is the blocks the sequence will hold in all: more than the
+        shard has can never be served (:class:`RequestTooLarge`).
+        """
         pool = self.pool
-        if need > pool.num_blocks:
-            return RequestTooLarge(need, pool.num_blocks)
+        if total > pool.num_blocks:
+            return RequestTooLarge(total, pool.num_blocks)
         if need <= pool.num_free:
             return None
         evictable = pool.num_cached - sum(1 for b in protected if pool.state(b) == CACHED)
@@ -386,6 +393,12 @@ class ShardState:
         return None
 
     def _evict(self, num_blocks: int, protected) -> TreeGen:
+        """Evict least recently used cached leaves; blocks the tree refuses go to the MRU end.
+
+        A cached block can stand above a block that is not evictable yet (a
+        published block that is still the source of a pending copy); the tree
+        refuses such a non-leaf, and it waits at the most recently used end.
+        """
         evicted = 0
         while evicted < num_blocks:
             victims = self.pool.evict_begin(num_blocks - evicted, protected)
@@ -395,11 +408,10 @@ class ShardState:
             self.pool.evict_finish(removed)
             evicted += len(removed)
             if refused:
-                self.pool.evict_abort(refused)
-                raise AssertionError(
-                    f"shard {self.shard_index}: LRU offered non-leaf cached blocks {refused[:8]}; "
-                    "the leaf-first eviction order is broken"
-                )
+                self.pool.evict_abort(refused, to_mru=True)
+                self.counters.eviction_refusals += len(refused)
+                if not removed:
+                    break
         if evicted:
             self.counters.blocks_evicted += evicted
             self.counters.eviction_batches += 1
