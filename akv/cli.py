@@ -63,6 +63,10 @@ def _build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--log-json", type=Path, help="write structured logs as JSON lines to this path")
     rp.add_argument("--log-level", default="warning", help="console log level (default warning)")
     rp.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    from akv.stress import register as register_stress
+
+    register_stress(sub)
     return parser
 
 
@@ -144,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         _configure_logging(args.log_level, getattr(args, "log_json", None))
         if args.command == "replay":
             return _cmd_replay(args)
+        if args.command == "stress":
+            from akv.stress import main_stress
+
+            return main_stress(args)
     except TraceError as exc:
         print(f"akv: error: {exc}", file=sys.stderr)
         return 2

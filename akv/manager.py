@@ -28,7 +28,7 @@ import structlog
 import torch
 
 from akv.actors.eviction_loop import EvictionLoop
-from akv.actors.messages import Check, Inspect, Stats, Step
+from akv.actors.messages import Check, Inspect, Stats, Step, Validate
 from akv.actors.pool_shard import PoolShardActor, SequenceInfo, ShardStats
 from akv.actors.prefix_tree import PrefixTreeActor
 from akv.actors.runtime import Actor
@@ -37,7 +37,7 @@ from akv.core.radix_tree import block_keys
 from akv.core.shard_state import ShardState
 from akv.core.step import Admit, StepOutcome, StepRequest
 from akv.core.tokens import as_token_array
-from akv.errors import ActorCrashed, InvalidInput, InvalidTokens, ManagerClosed, UnknownSequence
+from akv.errors import ActorCrashed, DuplicateSequence, InvalidInput, InvalidTokens, ManagerClosed, UnknownSequence
 from akv.results import NO_COPIES, CacheStats, CopyCompletion, StepResult
 from akv.storage import CopyExecutor, KVStorage
 
@@ -76,6 +76,9 @@ class KVCacheManager:
         #: the slot mappings and reads through the block tables.
         self.storage: KVStorage | None = None
         self._tickets: list = []
+        self._sharded_lock = anyio.Lock()
+        self._shards: list[PoolShardActor] = []
+        self._actors: list[Actor] = []
 
     # ------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> KVCacheManager:
@@ -85,7 +88,6 @@ class KVCacheManager:
         self.storage = KVStorage.from_config(cfg)
         self._executor = CopyExecutor(self.storage)
         self._tree = PrefixTreeActor(cfg.inbox_capacity, self._logger)
-        self._shards: list[PoolShardActor] = []
         self._eviction = EvictionLoop(
             self._shards,
             low_watermark=cfg.low_watermark,
@@ -267,64 +269,89 @@ class KVCacheManager:
             want_metadata=want_metadata,
         )
         if len(self._shards) == 1:
-            outcome, ticket = await self._ask(self._shards[0], Step(request))
+            self._check_running()
+            with anyio.CancelScope(shield=True):
+                outcome, ticket = await self._shards[0].ask(Step(request))
+                self._track(ticket)
+            await anyio.lowlevel.checkpoint_if_cancelled()
             return self._result([outcome], [ticket] if ticket is not None else [])
         return await self._step_sharded(request)
 
     async def _step_sharded(self, request: StepRequest) -> StepResult:
-        route = self._route
-        parts: dict[int, dict[str, Any]] = {}
+        """Split a step by shard; validate every part, then apply every part (all or nothing).
 
-        def part(shard: int) -> dict[str, Any]:
-            return parts.setdefault(shard, {"frees": [], "commits": {}, "forks": [], "appends": {}, "admits": []})
+        Multi-shard steps are serialized by a lock so that no other step can
+        change a shard between the validation and the application of a part.
+        """
+        async with self._sharded_lock:
+            route = self._route
+            parts: dict[int, dict[str, Any]] = {}
 
-        def where(seq_id: Hashable) -> int:
-            try:
-                return route[seq_id]
-            except KeyError:
-                raise UnknownSequence(seq_id) from None
+            def part(shard: int) -> dict[str, Any]:
+                return parts.setdefault(shard, {"frees": [], "commits": {}, "forks": [], "appends": {}, "admits": []})
 
-        for seq_id in request.frees:
-            if seq_id in route:
-                part(route[seq_id])["frees"].append(seq_id)
-        for seq_id, n in request.commits.items():
-            part(where(seq_id))["commits"][seq_id] = n
-        children: dict[Hashable, int] = {}
-        for parent, kids in request.forks:
-            shard = children[parent] if parent in children else where(parent)
-            part(shard)["forks"].append((parent, kids))
-            children.update(dict.fromkeys(kids, shard))
-        for seq_id, tokens in request.appends.items():
-            shard = children[seq_id] if seq_id in children else where(seq_id)
-            part(shard)["appends"][seq_id] = tokens
-        free_now = [s.free_fraction for s in self._shards]
-        for adm in request.admits:
-            shard = max(range(len(free_now)), key=lambda i: free_now[i])
-            free_now[shard] -= len(adm.prompt) / (self.config.block_size * self._shards[shard].state.pool.num_blocks)
-            part(shard)["admits"].append(adm)
-        outcomes, tickets = [], []
-        self._check_running()
-        for shard, fields in sorted(parts.items()):
-            sub = StepRequest(**fields, want_metadata=request.want_metadata)
+            def where(seq_id: Hashable) -> int:
+                try:
+                    return route[seq_id]
+                except KeyError:
+                    raise UnknownSequence(seq_id) from None
+
+            freed = {seq_id for seq_id in request.frees if seq_id in route}
+            for seq_id in request.frees:
+                if seq_id in route:
+                    part(route[seq_id])["frees"].append(seq_id)
+            for seq_id, n in request.commits.items():
+                part(where(seq_id))["commits"][seq_id] = n
+            children: dict[Hashable, int] = {}
+            for parent, kids in request.forks:
+                shard = children[parent] if parent in children else where(parent)
+                part(shard)["forks"].append((parent, kids))
+                for kid in kids:
+                    if (kid in route and kid not in freed) or kid in children:
+                        raise DuplicateSequence(kid)
+                    children[kid] = shard
+            for seq_id, tokens in request.appends.items():
+                shard = children[seq_id] if seq_id in children else where(seq_id)
+                part(shard)["appends"][seq_id] = tokens
+            free_now = [s.free_fraction for s in self._shards]
+            admitted: set[Hashable] = set()
+            for adm in request.admits:
+                if (adm.seq_id in route and adm.seq_id not in freed) or adm.seq_id in children or adm.seq_id in admitted:
+                    raise DuplicateSequence(adm.seq_id)
+                admitted.add(adm.seq_id)
+                shard = max(range(len(free_now)), key=lambda i: free_now[i])
+                free_now[shard] -= len(adm.prompt) / (self.config.block_size * self._shards[shard].state.pool.num_blocks)
+                part(shard)["admits"].append(adm)
+            subs = {shard: StepRequest(**fields, want_metadata=request.want_metadata) for shard, fields in parts.items()}
+            self._check_running()
+            outcomes, tickets = [], []
             with anyio.CancelScope(shield=True):  # all shards' parts, or none
-                outcome, ticket = await self._shards[shard].ask(Step(sub))
-            outcomes.append(outcome)
-            if ticket is not None:
-                tickets.append(ticket)
-            for seq_id in outcome.freed:
-                route.pop(seq_id, None)
-            for kid, kid_shard in children.items():
-                if kid_shard == shard:
-                    route[kid] = shard
-            for seq_id in outcome.cached_tokens:
-                route[seq_id] = shard
+                for shard, sub in sorted(subs.items()):
+                    await self._shards[shard].ask(Validate(sub))
+                for shard, sub in sorted(subs.items()):
+                    outcome, ticket = await self._shards[shard].ask(Step(sub))
+                    self._track(ticket)
+                    outcomes.append((shard, outcome))
+                    if ticket is not None:
+                        tickets.append(ticket)
+            for _, outcome in outcomes:
+                for seq_id in outcome.freed:
+                    route.pop(seq_id, None)
+            route.update(children)
+            for shard, outcome in outcomes:
+                for seq_id in outcome.cached_tokens:
+                    route[seq_id] = shard
         await anyio.lowlevel.checkpoint_if_cancelled()
-        return self._result(outcomes, tickets)
+        order = [*request.appends, *(adm.seq_id for adm in request.admits)]
+        return self._result([o for _, o in outcomes], tickets, order)
 
-    def _result(self, outcomes: list[StepOutcome], tickets: list) -> StepResult:
-        if tickets:
+    def _track(self, ticket: Any) -> None:
+        """Remember a copy ticket for :meth:`wait_copies` (inside the shielded part of a call)."""
+        if ticket is not None:
             self._tickets = [t for t in self._tickets if not t.done()]
-            self._tickets.extend(tickets)
+            self._tickets.append(ticket)
+
+    def _result(self, outcomes: list[StepOutcome], tickets: list, order: list | None = None) -> StepResult:
         copies = CopyCompletion(tickets) if tickets else NO_COPIES
         if len(outcomes) == 1:
             o = outcomes[0]
@@ -358,9 +385,24 @@ class KVCacheManager:
                 row += b
             context = np.concatenate([o.context_lens for o in with_meta])
             slots = np.concatenate([o.slot_mapping for o in with_meta])
-            lens = np.concatenate([np.diff(o.query_start_loc) for o in with_meta])
+            lens = np.concatenate([np.diff(o.query_start_loc) for o in with_meta]).astype(np.int64)
+            starts = np.zeros(len(lens), dtype=np.int64)
+            np.cumsum(lens[:-1], out=starts[1:])
+            if order is not None:  # rows back in request order (appends, then admissions)
+                position = {seq_id: i for i, seq_id in enumerate(seq_ids)}
+                perm = np.array([position[x] for x in order if x in position], dtype=np.intp)
+                seq_ids = [seq_ids[i] for i in perm]
+                tables, context, lens, starts = tables[perm], context[perm], lens[perm], starts[perm]
+                total = int(lens.sum())
+                row_of = np.repeat(np.arange(len(lens)), lens)
+                offsets = np.zeros(len(lens), dtype=np.int64)
+                np.cumsum(lens[:-1], out=offsets[1:])
+                slots = slots[starts[row_of] + (np.arange(total) - offsets[row_of])]
             qsl = np.zeros(len(lens) + 1, dtype=np.int32)
             np.cumsum(lens, out=qsl[1:])
+        elif order is not None:
+            position = {seq_id: i for i, seq_id in enumerate(seq_ids)}
+            seq_ids = [x for x in order if x in position]
         return StepResult(
             seq_ids=tuple(seq_ids),
             block_tables=_tensor(tables),
@@ -452,6 +494,7 @@ class KVCacheManager:
         Raises:
             InvalidTokens: Bad prompt.
         """
+        self._check_running()
         arr = as_token_array(prompt, self.config.vocab_size, what="prompt")
         bs = self.config.block_size
         keys = block_keys(arr, bs, (len(arr) - 1) // bs)
@@ -465,6 +508,7 @@ class KVCacheManager:
         Raises:
             UnknownSequence: Not live.
         """
+        self._check_running()
         if len(self._shards) == 1:
             return await self._ask(self._shards[0], Inspect(seq_id))
         if seq_id not in self._route:
@@ -473,12 +517,14 @@ class KVCacheManager:
 
     async def wait_copies(self) -> None:
         """Wait until every copy submitted so far has run."""
+        self._check_running()
         for ticket in list(self._tickets):
             await ticket.wait_async()
         self._tickets = [t for t in self._tickets if not t.done()]
 
     async def stats(self) -> CacheStats:
         """Snapshot of block states, counters and actor inbox depths."""
+        self._check_running()
         shard_stats: list[ShardStats] = [await self._ask(s, Stats()) for s in self._shards]
         (tree_blocks,) = await self._ask(self._tree, [("size",)])
         c = [s.counters for s in shard_stats]
@@ -524,10 +570,10 @@ class KVCacheManager:
             ActorCrashed: An inconsistency was found (the check's AssertionError
                 crashes the shard: a broken invariant is never silent).
         """
+        self._check_running()
         await self.wait_copies()
-        tree_ids = tuple(await self._ask(self._tree, ("snapshot",)))
         for shard in self._shards:
-            await self._ask(shard, Check(tree_ids))
+            await self._ask(shard, Check())
 
     @property
     def usage(self) -> float:

@@ -16,6 +16,13 @@ class Step:
 
 
 @dataclass(frozen=True, slots=True)
+class Validate:
+    """Check a :class:`~akv.core.step.StepRequest` without applying it; reply None or raise."""
+
+    request: StepRequest
+
+
+@dataclass(frozen=True, slots=True)
 class Evict:
     """Evict up to ``max_blocks`` cached blocks; reply the number evicted."""
 
@@ -36,6 +43,4 @@ class Stats:
 
 @dataclass(frozen=True, slots=True)
 class Check:
-    """Run the full consistency check against the tree's block ids; reply None or raise."""
-
-    tree_block_ids: tuple[int, ...] | None = None
+    """Run the full consistency check, against a tree snapshot taken inside the handler; reply None or raise."""

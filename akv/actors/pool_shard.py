@@ -4,7 +4,9 @@ A thin shell around :class:`~akv.core.shard_state.ShardState`: it decodes a
 message, runs one core method, and answers the tree operations that method
 yields by asking the prefix-tree actor (the only actor it asks). Copy-on-write
 copies go to the stream worker's executor (a non-blocking, thread-safe
-submit), and their source blocks stay pinned until the copy has run.
+submit), and their source and destination blocks stay pinned until the copy
+has run: neither can be handed out again while the copy may still read or
+write it.
 
 After every message it publishes its free fraction and, below the low
 watermark, wakes the eviction loop (a hint through an event, not an ask).
@@ -16,7 +18,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from akv.actors.messages import Check, Evict, Inspect, Stats, Step
+from akv.actors.messages import Check, Evict, Inspect, Stats, Step, Validate
 from akv.actors.prefix_tree import PrefixTreeActor
 from akv.actors.runtime import Actor
 from akv.core.shard_state import ShardCounters, ShardState, TreeGen
@@ -115,9 +117,12 @@ class PoolShardActor(Actor):
                 src = [s for s, _ in outcome.copies]
                 dst = [d for _, d in outcome.copies]
                 ticket = self.copy_executor.submit(src, dst)
-                self._pinned.append((ticket, src))
+                self._pinned.append((ticket, src + dst))
                 self.log.debug("cow.copy", blocks=len(src), src_block_ids=src[:16], dst_block_ids=dst[:16])
             result: Any = (outcome, ticket)
+        elif isinstance(msg, Validate):
+            self.state.validate(msg.request)
+            result = None
         elif isinstance(msg, Evict):
             result = await self._drive(self.state.evict(msg.max_blocks))
         elif isinstance(msg, Inspect):
@@ -125,7 +130,9 @@ class PoolShardActor(Actor):
         elif isinstance(msg, Stats):
             result = self._stats()
         elif isinstance(msg, Check):
-            self.state.check(msg.tree_block_ids)
+            # The snapshot is taken while this shard serves nothing else, so no
+            # eviction batch can fall between it and the check.
+            self.state.check(await self.tree.ask(("snapshot",)))
             result = None
         else:
             raise TypeError(f"{self.name}: unknown message {type(msg).__name__}")
@@ -144,11 +151,11 @@ class PoolShardActor(Actor):
         if not self._pinned:
             return
         keep = []
-        for ticket, src in self._pinned:
+        for ticket, blocks in self._pinned:
             if ticket.done():
-                self.state.release_copy_sources(src)
+                self.state.release_copy_pins(blocks)
             else:
-                keep.append((ticket, src))
+                keep.append((ticket, blocks))
         self._pinned = keep
 
     def _after(self) -> None:

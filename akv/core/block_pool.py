@@ -24,7 +24,7 @@ a reference: one owner makes "match then pin" atomic (see docs/architecture.md).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 FREE = 0
 ACTIVE = 1
@@ -233,7 +233,7 @@ class BlockPool:
                 self._counts[IN_FLIGHT] -= 1
                 self._release(i)
 
-    def evict_begin(self, max_blocks: int, skip: frozenset[int] | set[int] = frozenset()) -> list[int]:
+    def evict_begin(self, max_blocks: int, skip: Container[int] = frozenset()) -> list[int]:
         """Take up to ``max_blocks`` least recently used cached blocks for eviction.
 
         Blocks in ``skip`` (prefix hits about to be pinned) keep their place.

@@ -58,6 +58,20 @@ def apply_tree_ops(tree: RadixTree, ops: TreeOps) -> list:
     return out
 
 
+def _protect(protected: dict[int, int], block_ids: list[int]) -> None:
+    for b in block_ids:
+        protected[b] = protected.get(b, 0) + 1
+
+
+def _unprotect(protected: dict[int, int], block_ids: list[int]) -> None:
+    for b in block_ids:
+        left = protected[b] - 1
+        if left:
+            protected[b] = left
+        else:
+            del protected[b]
+
+
 def drive(gen: TreeGen, tree: RadixTree):
     """Run a sans-IO shard generator synchronously against a local tree; return its value."""
     try:
@@ -146,7 +160,7 @@ class ShardState:
             DuplicateSequence: An admission or fork child reuses a live id.
             InvalidInput: Bad commit counts or empty token arrays.
         """
-        self._validate(req)
+        self.validate(req)
         bs, seqs, pool = self.block_size, self.sequences, self.pool
         out = StepOutcome()
 
@@ -189,9 +203,13 @@ class ShardState:
             self._apply_published(publishing, results)
             for i, res in zip(match_slots, results[len(publishing) :]):
                 matches[i] = res
-        protected: set[int] = set()
+        # Prefix hits of admissions not processed yet must not be evicted to make
+        # room for anything else in this step. A multiset: two admissions may
+        # hit the same blocks, and one being done (or rejected) must not expose
+        # the other's.
+        protected: dict[int, int] = {}
         for hits in matches.values():
-            protected.update(hits)
+            _protect(protected, hits)
 
         scheduled: list[tuple[Sequence, int, int]] = []
         for seq_id, tokens in req.appends.items():
@@ -212,7 +230,7 @@ class ShardState:
                 old = blocks.last()
                 (new,) = pool.allocate(1)
                 blocks.set(len(blocks) - 1, new)
-                pool.pin_for_copy((old,))
+                pool.pin_for_copy((old, new))  # neither may be reused before the copy ran
                 pool.decref((old,))
                 out.copies.append((old, new))
                 self.counters.cow_copies += 1
@@ -242,14 +260,14 @@ class ShardState:
                 self._apply_published(pending, results)
                 pending, pending_ops = [], []
                 hits = results[-1]
-                protected.update(hits)
+                _protect(protected, hits)
             else:
                 hits = []
             hits = hits[:max_hit_blocks]
             total = -(-length // bs)
             need = total - len(hits)
             err = yield from self._make_room(need, total, protected, out)
-            protected.difference_update(hits)
+            _unprotect(protected, hits)
             if err is not None:
                 out.rejected[adm.seq_id] = err
                 continue
@@ -293,12 +311,17 @@ class ShardState:
         n = yield from self._evict(max_blocks, frozenset())
         return n
 
-    def release_copy_sources(self, block_ids: list[int]) -> None:
-        """A copy batch finished: its source blocks may become cached or free."""
+    def release_copy_pins(self, block_ids: list[int]) -> None:
+        """A copy batch finished: its source and destination blocks may become cached or free."""
         self.pool.unpin_copied(block_ids)
 
     # ------------------------------------------------------------- internals
-    def _validate(self, req: StepRequest) -> None:
+    def validate(self, req: StepRequest) -> None:
+        """Raise the error :meth:`step` would raise for ``req``; change nothing.
+
+        Raises:
+            UnknownSequence, DuplicateSequence, InvalidInput: As :meth:`step`.
+        """
         seqs = self.sequences
         freed = {s for s in req.frees if s in seqs}
 
@@ -372,7 +395,7 @@ class ShardState:
             if done < len(ids):
                 seq.publish_stopped = True
 
-    def _make_room(self, need: int, total: int, protected: set[int], out: StepOutcome) -> TreeGen:
+    def _make_room(self, need: int, total: int, protected: dict[int, int], out: StepOutcome) -> TreeGen:
         """Ensure ``need`` free blocks, evicting if needed; return an error instead if impossible.
 
         ``total`` is the blocks the sequence will hold in all: more than the

@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-blocks",
         type=_positive_int,
         default=None,
-        help="pool blocks (default: 3 blocks of 16 tokens per task, so eviction never stops)",
+        help="pool blocks (default: 3.5 blocks of 16 tokens per task, so eviction never stops)",
     )
     parser.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block (default 16)")
     parser.add_argument("--backend", choices=BACKENDS, default="asyncio", help="anyio event loop (default asyncio)")
@@ -127,11 +127,15 @@ def main_stress(args: argparse.Namespace) -> int:
     Returns:
         0 when the report is clean (no corrupted read, invariant violation,
         leak, hang or unexpected error; with fault injection: every caller
-        failed fast and a fresh manager worked), 1 otherwise.
+        failed fast and a fresh manager worked), 1 otherwise, 2 for bad options.
     """
     from akv.obs.logging import configure_logging
 
-    options = options_from_args(args)
+    try:
+        options = options_from_args(args)
+    except ValueError as exc:
+        print(f"akv stress: error: {exc}", file=sys.stderr)
+        return 2
     configure_logging(level=args.log_level, json_path=args.log_json)
     # Last resort against a hang inside a shielded call (a cancel scope cannot end it).
     faulthandler.dump_traceback_later(options.duration_s + 600, exit=True)

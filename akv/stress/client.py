@@ -48,22 +48,35 @@ class SeqModel:
             task and committed, or served from the prefix cache.
     """
 
-    __slots__ = ("committed", "hashes", "seq_id", "tokens")
+    __slots__ = ("_chunks", "committed", "hashes", "seq_id", "tokens")
 
     def __init__(self, seq_id: Hashable, tokens: list[int], hashes: list[int], committed: int = 0) -> None:
         self.seq_id = seq_id
         self.tokens = tokens
         self.hashes = hashes
         self.committed = committed
+        # Expected K/V of the leading positions, (L, 2, n_i, H, D) chunks in order; computed once per token.
+        self._chunks: list[torch.Tensor] = []
 
     def fork(self, child_id: Hashable) -> SeqModel:
         """The model of a child forked from this sequence now."""
-        return SeqModel(child_id, list(self.tokens), list(self.hashes), self.committed)
+        child = SeqModel(child_id, list(self.tokens), list(self.hashes), self.committed)
+        child._chunks = list(self._chunks)  # tensors are never modified in place: sharing is safe
+        return child
 
     def extend(self, tokens: list[int]) -> None:
         """Record appended tokens (not yet committed)."""
         self.tokens.extend(tokens)
         extend_hashes(self.hashes, tokens)
+
+    def expected(self, oracle: KVOracle, start: int, stop: int) -> torch.Tensor:
+        """Expected K/V of positions ``[start, stop)``: ``(L, 2, stop - start, H, D)``, K then V."""
+        have = sum(c.shape[2] for c in self._chunks)
+        if have < stop:
+            self._chunks.append(oracle.values(self.hashes[have:stop]))
+        if len(self._chunks) > 1:
+            self._chunks = [torch.cat(self._chunks, dim=2)]
+        return self._chunks[0][:, :, start:stop]
 
 
 class Client:
@@ -78,6 +91,7 @@ class Client:
         log: structlog logger bound to this task.
         name: Prefix of the sequence ids this client creates.
         deadline: ``anyio.current_time()`` after which programs wrap up early.
+        call_timeout_s: Seconds after which a pending call raises ``TimeoutError``.
     """
 
     def __init__(
@@ -91,6 +105,7 @@ class Client:
         log: Any,
         name: str,
         deadline: float = float("inf"),
+        call_timeout_s: float = 30.0,
     ) -> None:
         self.kv = kv
         self.oracle = oracle
@@ -100,6 +115,7 @@ class Client:
         self.log = log
         self.name = name
         self.deadline = deadline
+        self.call_timeout_s = call_timeout_s
         self.block_size = kv.config.block_size
         #: Ids that may be live in the manager (cleanup frees them all).
         self.owned: set[Hashable] = set()
@@ -120,7 +136,11 @@ class Client:
         start = time.perf_counter()
         self.metrics.in_flight[token] = (op, start)
         try:
-            return await fn(*args, **kwargs)
+            # A hang becomes a TimeoutError where the await can be interrupted; the
+            # manager's shielded actor asks cannot be, so the runner's monitor also
+            # counts every call pending longer than the hang timeout.
+            with anyio.fail_after(self.call_timeout_s):
+                return await fn(*args, **kwargs)
         finally:
             del self.metrics.in_flight[token]
             self.metrics.record(op, time.perf_counter() - start)
@@ -142,11 +162,11 @@ class Client:
         raise AssertionError("unreachable")  # pragma: no cover
 
     # ------------------------------------------------------------ writing
-    def write(self, slots: torch.Tensor, hashes: list[int]) -> None:
-        """Write the K/V of tokens with history ``hashes`` to ``slots`` in every layer."""
-        if len(hashes) == 0:
+    def write(self, seq: SeqModel, slots: torch.Tensor, start: int, stop: int) -> None:
+        """Write the K/V of positions ``[start, stop)`` of ``seq`` to ``slots`` in every layer."""
+        if stop <= start:
             return
-        expected = self.oracle.values(hashes)  # (L, 2, n, H, D), K then V
+        expected = seq.expected(self.oracle, start, stop)  # (L, 2, n, H, D), K then V
         self.kv.storage.write_all_layers(slots, expected[:, 0], expected[:, 1])
 
     # ---------------------------------------------------------- operations
@@ -192,7 +212,7 @@ class Client:
         n_write = len(prompt) - cached
         if write_fraction < 1.0:
             n_write = int(n_write * write_fraction)
-        self.write(slots[:n_write], seq.hashes[cached : cached + n_write])
+        self.write(seq, slots[:n_write], cached, cached + n_write)
         if commit:
             await self.call("commit", self.kv.commit, seq_id, len(prompt) - cached)
             seq.committed = len(prompt)
@@ -214,7 +234,7 @@ class Client:
         if result.copies.tickets:
             await self.call("copy_wait", result.copies.wait)
         seq.extend(tokens)
-        self.write(result.slot_mapping, seq.hashes[-len(tokens) :])
+        self.write(seq, result.slot_mapping, len(seq.tokens) - len(tokens), len(seq.tokens))
         await self.call("commit", self.kv.commit, seq.seq_id, len(tokens))
         seq.committed = len(seq.tokens)
 
@@ -265,7 +285,7 @@ class Client:
         if n == 0:
             return
         table = torch.tensor(info.block_ids, dtype=torch.int64)
-        expected = self.oracle.values(seq.hashes[:n])  # (L, 2, n, H, D)
+        expected = seq.expected(self.oracle, 0, n)  # (L, 2, n, H, D)
         bad = torch.zeros(n, dtype=torch.bool)
         storage = self.kv.storage
         for layer in range(storage.num_layers):

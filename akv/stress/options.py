@@ -47,9 +47,9 @@ class StressOptions:
     progress: bool = False
     inject_crash_after_s: float | None = None
     low_watermark: float = 0.10
-    high_watermark: float = 0.20
+    high_watermark: float = 0.15
     eviction_batch_blocks: int = 8
-    cancel_probability: float = 0.12
+    cancel_probability: float = 0.25
     max_retries: int = 40
     hang_timeout_s: float = 10.0
     fresh_manager_s: float = 1.0
@@ -64,8 +64,10 @@ class StressOptions:
         for name in ("duration_s", "hang_timeout_s", "fresh_manager_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if self.inject_crash_after_s is not None and not self.inject_crash_after_s >= 0:
-            raise ValueError(f"inject_crash_after_s must be >= 0, got {self.inject_crash_after_s!r}")
+        if self.inject_crash_after_s is not None and not 0 <= self.inject_crash_after_s < self.duration_s:
+            raise ValueError(
+                f"inject_crash_after_s must lie in [0, duration_s={self.duration_s}), got {self.inject_crash_after_s!r}"
+            )
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if not 0.0 <= self.low_watermark <= self.high_watermark <= 1.0:
@@ -74,12 +76,13 @@ class StressOptions:
             raise ValueError(f"cancel_probability must lie in [0, 1], got {self.cancel_probability!r}")
 
     def pool_blocks(self) -> int:
-        """Blocks in the pool: ``num_blocks``, or about 3 blocks per concurrent task.
+        """Blocks in the pool: ``num_blocks``, or 3.5 blocks of 16 tokens per concurrent task.
 
-        A task holds about 3-8 blocks while it runs (prompt, decode, beams), so
-        with 3 per task the pool runs near full: cached blocks are evicted all
-        the time and some allocations fail transiently.
+        A task holds about 2-10 blocks of 16 tokens while it runs (prompt,
+        decode, beams), so at 3.5 per task the pool runs near full: cached
+        blocks are evicted all the time and some allocations fail transiently
+        (896 blocks for 256 tasks).
         """
         if self.num_blocks is not None:
             return self.num_blocks
-        return max(64, 3 * self.sequences * 16 // self.block_size)
+        return max(64, 7 * self.sequences * 16 // (2 * self.block_size))

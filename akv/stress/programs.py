@@ -39,7 +39,7 @@ async def chat(c: Client, prompts: PromptSource) -> None:
     for _ in range(rng.randint(1, 12)):
         if c.expired():
             break
-        await c.append(seq, fresh_tokens(rng, rng.choice((1, 1, 2, 3, 5, 8))))
+        await c.append(seq, fresh_tokens(rng, rng.choice((1, 1, 2, 3, 5, 8, 16))))
         if rng.random() < 0.15:
             await c.verify(seq)
     await c.verify(seq)

@@ -49,7 +49,7 @@ class PromptSource:
         elif roll < 0.55:
             turn = rng.choice(self.canned_turns)
         else:
-            turn = fresh_tokens(rng, rng.randint(1, 2 * self.block_size))
+            turn = fresh_tokens(rng, rng.randint(1, 4 * self.block_size))
         return system + turn
 
 

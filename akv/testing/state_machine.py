@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 from hypothesis import HealthCheck, event, note, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from akv.core.block_pool import ACTIVE, CACHED
 from akv.core.radix_tree import RadixTree, block_keys
@@ -84,11 +84,11 @@ class ShardStateMachine(RuleBasedStateMachine):
     #: Tokens per block.
     block_size = 4
     #: Blocks in the shard: small, so exhaustion and eviction happen often.
-    num_blocks = 16
+    num_blocks = 20
     #: First global block id of the shard (non-zero: catches id/offset mix-ups).
     first_block_id = 100
     #: Live sequences at most.
-    max_sequences = 8
+    max_sequences = 6
 
     def __init__(self) -> None:
         super().__init__()
@@ -122,7 +122,7 @@ class ShardStateMachine(RuleBasedStateMachine):
     def _step(self, **kw: Any) -> StepOutcome:
         out = drive(self.shard.step(StepRequest(**kw)), self.tree)
         if out.copies:
-            self.shard.release_copy_sources([src for src, _ in out.copies])
+            self.shard.release_copy_pins([b for pair in out.copies for b in pair])
         return out
 
     def _snapshot(self) -> tuple:
@@ -181,7 +181,8 @@ class ShardStateMachine(RuleBasedStateMachine):
             if len(self._real_hits(ns, list(prefix), len(prefix) // bs)) == len(prefix) // bs
         }
         gone = len(self.published) - len(kept)
-        event("eviction")
+        if gone:
+            event("eviction")
         note(f"  eviction removed {gone} published prefixes")
         assert gone == evicted, f"{evicted} blocks evicted but {gone} published prefixes left the tree"
         self.published = kept
@@ -190,10 +191,18 @@ class ShardStateMachine(RuleBasedStateMachine):
         pool = self.shard.pool
         return pool.num_cached - sum(1 for b in set(protected) if pool.state(b) == CACHED)
 
-    def _check_rejection(self, err: Exception, need: int, free: int, evictable: int, before: tuple, exhausted: int) -> None:
-        if need > self.num_blocks:
+    def _check_rejection(
+        self, err: Exception, need: int, total: int, free: int, evictable: int, before: tuple, exhausted: int
+    ) -> None:
+        """A rejection is the right one, with the right numbers, and left no trace.
+
+        ``total`` blocks (the whole sequence after the operation) more than the
+        shard holds can never be served: RequestTooLarge. Otherwise ``need``
+        new blocks more than free plus evictable: PoolExhausted.
+        """
+        if total > self.num_blocks:
             assert isinstance(err, RequestTooLarge), f"expected RequestTooLarge, got {err!r}"
-            assert (err.requested_blocks, err.num_blocks) == (need, self.num_blocks)
+            assert (err.requested_blocks, err.num_blocks) == (total, self.num_blocks)
             assert self.shard.counters.pool_exhausted == exhausted
         else:
             assert isinstance(err, PoolExhausted), f"expected PoolExhausted, got {err!r}"
@@ -206,6 +215,22 @@ class ShardStateMachine(RuleBasedStateMachine):
         return data.draw(st.sampled_from(sorted(self.model)), label="seq")
 
     # ---------------------------------------------------------------- rules
+    @initialize(which=st.integers(0, len(PREFIXES) - 1), extra=st.sampled_from([0, 1, 3]), prefill_done=st.booleans())
+    def first_sequence(self, which, extra, prefill_done) -> None:
+        """Start with one live sequence (a whole prefix plus a partial block), so every rule is enabled."""
+        prompt = list(PREFIXES[which]) + [0] * extra
+        sid = self._fresh_id()
+        out = self._step(
+            admits=[Admit(seq_id=sid, prompt=np.asarray(prompt, dtype=np.int32), prefill_done=prefill_done)]
+        )
+        note(f"first {sid} prompt={prompt} prefill_done={prefill_done}")
+        assert out.cached_tokens == {sid: 0}
+        seq = ModelSequence(None, prompt, self._fresh_blocks(_ceil_div(len(prompt), self.block_size)))
+        if prefill_done:
+            seq.num_computed = len(prompt)
+        self.model[sid] = seq
+        self._publish(seq)
+
     @precondition(lambda self: len(self.model) < self.max_sequences)
     @rule(
         data=st.data(),
@@ -213,7 +238,7 @@ class ShardStateMachine(RuleBasedStateMachine):
         cut=st.sampled_from([0, 3, 4, 5, 8, 9, 12, 13, 16, 16, 16, 16]),
         suffix=st.lists(st.integers(0, 3), max_size=6),
         length=st.sampled_from([None, None, None, None, 1, 4, 5, 8, 12]),
-        namespace=st.sampled_from(NAMESPACES + (None, None)),
+        namespace=st.sampled_from((*NAMESPACES, None, None)),
         prefill_done=st.booleans(),
     )
     def add(self, data, which, cut, suffix, length, namespace, prefill_done) -> None:
@@ -221,29 +246,39 @@ class ShardStateMachine(RuleBasedStateMachine):
         prompt = list(PREFIXES[which][:cut]) + suffix
         if length is not None:
             prompt = (prompt + list(PREFIXES[which]))[:length]
-        if data.draw(st.integers(0, 9), label="oversized") == 0:
+        if data.draw(st.integers(0, 19), label="oversized") == 7:
             prompt = prompt + [5] * (self.num_blocks * bs)  # more blocks than the shard holds
         if not prompt:
             prompt = [PREFIXES[which][0]]
         sid = self._fresh_id()
         hits = self._expected_hits(namespace, prompt)
-        need = _ceil_div(len(prompt), bs) - len(hits)
+        total = _ceil_div(len(prompt), bs)
+        need = total - len(hits)
         real_hits = self._real_hits(namespace, prompt, (len(prompt) - 1) // bs)
         free, evictable = self.shard.pool.num_free, self._evictable(real_hits)
         before, exhausted = self._snapshot(), self.shard.counters.pool_exhausted
 
         out = self._step(
-            admits=[Admit(seq_id=sid, prompt=np.asarray(prompt, dtype=np.int32), namespace=namespace, prefill_done=prefill_done)]
+            admits=[
+                Admit(
+                    seq_id=sid,
+                    prompt=np.asarray(prompt, dtype=np.int32),
+                    namespace=namespace,
+                    prefill_done=prefill_done,
+                )
+            ]
         )
         if sid in out.rejected:
             note(f"add {sid} ns={namespace!r} prompt={prompt} prefill_done={prefill_done} -> {out.rejected[sid]!r}")
-            self._check_rejection(out.rejected[sid], need, free, evictable, before, exhausted)
+            self._check_rejection(out.rejected[sid], need, total, free, evictable, before, exhausted)
             event(f"add rejected: {type(out.rejected[sid]).__name__}")
             self.dead.append(sid)
             return
         cached = out.cached_tokens[sid]
         note(f"add {sid} ns={namespace!r} prompt={prompt} prefill_done={prefill_done} -> cached {cached}")
-        assert need <= free + evictable, f"admitted needing {need} blocks with {free} free and {evictable} evictable"
+        assert total <= self.num_blocks and need <= free + evictable, (
+            f"admitted needing {need} blocks with {free} free and {evictable} evictable"
+        )
         assert cached % bs == 0, f"cached {cached} is not whole blocks"
         assert 0 <= cached < len(prompt), f"cached {cached} of a {len(prompt)}-token prompt"
         assert cached == len(hits) * bs, f"cached {cached} tokens, the model expected {len(hits) * bs}"
@@ -260,17 +295,18 @@ class ShardStateMachine(RuleBasedStateMachine):
             self._resync_after_eviction(out.evicted_blocks)
 
     @precondition(lambda self: self.model)
-    @rule(data=st.data(), tokens=st.lists(st.integers(0, 3), min_size=1, max_size=3), as_int=st.booleans())
+    @rule(data=st.data(), tokens=st.lists(st.sampled_from([0, 0, 1, 2]), min_size=1, max_size=3), as_int=st.booleans())
     def append(self, data, tokens, as_int) -> None:
         bs = self.block_size
         sid = self._pick_live(data)
         seq = self.model[sid]
-        if data.draw(st.integers(0, 9), label="oversized") == 0:
+        if data.draw(st.integers(0, 19), label="oversized") == 7:
             tokens = [1] * (self.num_blocks * bs + 1)
         n, k = len(seq.tokens), len(tokens)
         holders = sum(1 for other in self.model.values() if seq.blocks[-1] in other.blocks)
         cow = n % bs != 0 and holders > 1
-        need = _ceil_div(n + k, bs) - len(seq.blocks) + cow
+        total = _ceil_div(n + k, bs)
+        need = total - len(seq.blocks) + cow
         free, evictable = self.shard.pool.num_free, self._evictable([])
         before, exhausted = self._snapshot(), self.shard.counters.pool_exhausted
         payload: Any = tokens[0] if as_int and k == 1 else np.asarray(tokens, dtype=np.int32)
@@ -278,13 +314,13 @@ class ShardStateMachine(RuleBasedStateMachine):
         out = self._step(appends={sid: payload})
         if sid in out.rejected:
             note(f"append {sid} {k} tokens -> {out.rejected[sid]!r}")
-            self._check_rejection(out.rejected[sid], need, free, evictable, before, exhausted)
+            self._check_rejection(out.rejected[sid], need, total, free, evictable, before, exhausted)
             event(f"append rejected: {type(out.rejected[sid]).__name__}")
             return
         if cow:
             event("append: copy-on-write")
         note(f"append {sid} {tokens if k < 8 else f'{k} tokens'} (copy-on-write: {cow})")
-        assert need <= free + evictable
+        assert total <= self.num_blocks and need <= free + evictable
         assert len(out.copies) == int(cow), f"expected {int(cow)} copies, got {out.copies}"
         if cow:
             seq.blocks[-1] = self._fresh_blocks(1)[0]
@@ -299,7 +335,8 @@ class ShardStateMachine(RuleBasedStateMachine):
     def commit(self, data) -> None:
         sid = self._pick_live(data)
         seq = self.model[sid]
-        n = data.draw(st.integers(0, len(seq.tokens) - seq.num_computed), label="num_tokens")
+        left = len(seq.tokens) - seq.num_computed
+        n = data.draw(st.one_of(st.just(left), st.integers(0, left)), label="num_tokens")
         out = self._step(commits={sid: n}, want_metadata=False)
         seq.num_computed += n
         self._publish(seq)
@@ -361,7 +398,13 @@ class ShardStateMachine(RuleBasedStateMachine):
     def invalid(self, data, kind) -> None:
         """A malformed step raises its typed error and changes nothing."""
         ghost = data.draw(st.sampled_from(self.dead), label="ghost")
-        if not self.model and kind in ("commit_too_many", "commit_negative", "append_empty", "fork_existing", "admit_duplicate"):
+        if not self.model and kind in (
+            "commit_too_many",
+            "commit_negative",
+            "append_empty",
+            "fork_existing",
+            "admit_duplicate",
+        ):
             kind = "commit_unknown"
         sid = self._pick_live(data) if self.model else None
         empty = np.array([], dtype=np.int32)

@@ -1,0 +1,208 @@
+"""One manager's workload: the stress tasks, their shared state, and the monitor.
+
+A :class:`Session` runs ``N`` worker tasks (each loops random programs from
+:mod:`akv.stress.programs` until the deadline, some under a cancel scope that
+fires at a random await point, and frees everything it may own after each
+program, shielded) plus a monitor (progress, stats snapshots, hang detection,
+the fault-injection deadline). What the run ends with goes in an
+:class:`Outcome`; counters go in the shared :class:`~akv.stress.metrics.Metrics`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+
+from akv.errors import ActorCrashed, AkvError, ManagerClosed
+from akv.manager import KVCacheManager
+from akv.results import CacheStats
+from akv.stress.client import Client, GiveUp
+from akv.stress.fault import CrashInjector
+from akv.stress.metrics import Metrics
+from akv.stress.options import StressOptions
+from akv.stress.oracle import KVOracle
+from akv.stress.programs import PROGRAMS, WEIGHTS
+from akv.stress.workload import PromptSource
+
+ProgressFn = Callable[[float, Metrics], None]
+MANAGER_DOWN = (ActorCrashed, ManagerClosed)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Outcome:
+    """What one manager's run ended with (beyond the shared :class:`Metrics`).
+
+    ``leaked_*`` stay ``None`` when the final check could not run.
+    """
+
+    last_stats: CacheStats | None = None
+    check_ran: bool = False
+    leaked_blocks: int | None = None
+    leaked_sequences: int | None = None
+    nonempty_inboxes: dict[str, int] = dataclasses.field(default_factory=dict)
+    invariant_violations: int = 0
+    errors: list[str] = dataclasses.field(default_factory=list)
+    aexit_raised: bool = False
+    eviction_wakeups: int = 0
+    # fault injection
+    injector: CrashInjector | None = None
+    tasks_at_fault: int = 0
+    tasks_hung: int = 0
+
+    @property
+    def clean(self) -> bool:
+        """The final check ran and found no violation, leak or waiting message."""
+        return (
+            self.check_ran
+            and not self.invariant_violations
+            and self.leaked_blocks == 0
+            and self.leaked_sequences == 0
+            and not self.nonempty_inboxes
+        )
+
+
+class Session:
+    """One manager's workload: shared state of its tasks, monitor and injector."""
+
+    def __init__(self, kv: KVCacheManager, options: StressOptions, metrics: Metrics, outcome: Outcome, log: Any) -> None:
+        cfg = kv.config
+        self.kv = kv
+        self.options = options
+        self.metrics = metrics
+        self.outcome = outcome
+        self.log = log
+        self.oracle = KVOracle(num_layers=cfg.model.num_layers, num_kv_heads=cfg.model.num_kv_heads, head_dim=cfg.model.head_dim)
+        self.prompts = PromptSource(options.seed, cfg.block_size)
+        self.alive = 0
+        self.errored: set[int] = set()
+        self.hung_tokens: set[int] = set()
+        self.workers: anyio.CancelScope | None = None
+
+    def manager_down(self, index: int, exc: BaseException) -> None:
+        """A task saw the manager fail: record when, relative to the injected fault."""
+        m, out = self.metrics, self.outcome
+        now = time.perf_counter()
+        self.errored.add(index)
+        if m.manager_failed_at is None:
+            m.manager_failed_at = now
+            self.log.warning("stress.manager_failed", task=index, error=repr(exc))
+        fired = out.injector.fired_at if out.injector is not None else None
+        if fired is not None:
+            m.error_latencies_s.append(now - fired)
+        elif not out.errors:
+            out.errors.append(f"task {index}: {exc!r}")
+
+    # --------------------------------------------------------------- tasks
+    async def worker(self, index: int, deadline: float) -> None:
+        """One stress task: random programs until ``deadline`` or until the manager fails."""
+        rng = random.Random(f"akv-stress-{self.options.seed}-{index}")
+        client = Client(
+            self.kv,
+            self.oracle,
+            self.metrics,
+            rng,
+            max_retries=self.options.max_retries,
+            log=self.log.bind(task=index),
+            name=f"t{index}",
+            deadline=deadline,
+            call_timeout_s=self.options.hang_timeout_s * 1.5,
+        )
+        names, weights = list(WEIGHTS), list(WEIGHTS.values())
+        self.alive += 1
+        try:
+            async with anyio.create_task_group() as helpers:
+                while anyio.current_time() < deadline:
+                    kind = rng.choices(names, weights)[0]
+                    self.metrics.programs[kind] += 1
+                    down = False
+                    try:
+                        await self._program(client, kind, helpers)
+                    except GiveUp:
+                        self.metrics.gave_up += 1
+                    except MANAGER_DOWN as exc:
+                        self.manager_down(index, exc)
+                        down = True
+                    except AkvError as exc:
+                        client.unexpected("error", program=kind, error=repr(exc))
+                    except Exception as exc:  # a harness bug must not hide as a hang: report and go on
+                        client.unexpected("exception", program=kind, error=repr(exc))
+                        self.log.error("stress.exception", exc_info=exc)
+                    finally:
+                        if not await self._cleanup(client, index):
+                            down = True
+                    if down:
+                        break
+                helpers.cancel_scope.cancel()
+        finally:
+            self.alive -= 1
+
+    async def _cleanup(self, client: Client, index: int) -> bool:
+        """Free everything the client may own; False if the manager is down."""
+        try:
+            await client.cleanup()
+        except MANAGER_DOWN as exc:
+            if index not in self.errored:
+                self.manager_down(index, exc)
+            return False
+        return True
+
+    async def _program(self, client: Client, kind: str, helpers: anyio.abc.TaskGroup) -> None:
+        program, rng = PROGRAMS[kind], client.rng
+        if rng.random() >= self.options.cancel_probability:
+            await program(client, self.prompts)
+            return
+        scope = anyio.CancelScope()
+        if rng.random() < 0.5:
+            scope.deadline = anyio.current_time() + rng.uniform(0.0, 0.01)
+        else:
+            helpers.start_soon(cancel_after_checkpoints, scope, rng.randint(1, 80))
+        with scope:
+            await program(client, self.prompts)
+        if scope.cancelled_caught:
+            self.metrics.cancellations += 1
+
+    # ------------------------------------------------------------- monitor
+    async def monitor(self, start: float, progress: ProgressFn | None) -> None:
+        """Progress, stats snapshots, hang detection, and the fault-injection deadline."""
+        m, out, opts = self.metrics, self.outcome, self.options
+        tick = 0
+        while True:
+            await anyio.sleep(0.25)
+            tick += 1
+            now = time.perf_counter()
+            if progress is not None:
+                progress(now - start, m)
+            for token, (op, began) in list(m.in_flight.items()):
+                if now - began > opts.hang_timeout_s and token not in self.hung_tokens:
+                    self.hung_tokens.add(token)
+                    m.hung_calls += 1
+                    self.log.error("stress.hung_call", op=op, pending_s=round(now - began, 3))
+            fired = out.injector.fired_at if out.injector is not None else None
+            if fired is not None and now - fired > opts.hang_timeout_s and self.alive and self.workers is not None:
+                out.tasks_hung = self.alive
+                self.log.error("stress.tasks_hung_after_fault", tasks=self.alive)
+                self.workers.cancel()
+            if tick % 4 == 0 and fired is None and m.manager_failed_at is None:
+                with contextlib.suppress(*MANAGER_DOWN):
+                    out.last_stats = await self.kv.stats()
+            if tick % 20 == 0:
+                self.log.info("stress.progress", elapsed_s=round(now - start, 1), operations=m.operations, corrupted_reads=m.corrupted_reads)
+
+    def on_fault(self) -> None:
+        """Called by the injector as the fault fires: remember how many tasks must fail."""
+        self.outcome.tasks_at_fault = self.alive
+
+
+async def cancel_after_checkpoints(scope: anyio.CancelScope, k: int) -> None:
+    """Cancel ``scope`` after ``k`` scheduler checkpoints (a no-op if it has exited by then)."""
+    for _ in range(k):
+        await anyio.lowlevel.checkpoint()
+    scope.cancel()
