@@ -87,6 +87,7 @@ class KVCacheManager:
         cfg = self.config
         self.storage = KVStorage.from_config(cfg)
         self._executor = CopyExecutor(self.storage)
+        self._executor.on_failure = self._on_copy_failure
         self._tree = PrefixTreeActor(cfg.inbox_capacity, self._logger)
         self._eviction = EvictionLoop(
             self._shards,
@@ -179,6 +180,13 @@ class KVCacheManager:
             err = ActorCrashed("stream_worker", exc)
             err.__cause__ = exc
             self._on_crash(None, err)
+
+    def _on_copy_failure(self, error: ActorCrashed) -> None:
+        """From the stream worker's thread: a copy failed on the device; fail the manager."""
+        self.log.error("actor.crashed", actor="stream_worker", error=repr(error.cause))
+        # The executor runs in an anyio worker thread (_run_stream_worker), so this
+        # hands the failure to the event loop and waits until every actor is stopped.
+        anyio.from_thread.run_sync(self._on_crash, None, error)
 
     def _on_crash(self, actor: Actor | None, error: ActorCrashed) -> None:
         if self._failure is None:

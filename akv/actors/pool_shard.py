@@ -23,6 +23,7 @@ from akv.actors.prefix_tree import PrefixTreeActor
 from akv.actors.runtime import Actor
 from akv.core.shard_state import ShardCounters, ShardState, TreeGen
 from akv.core.step import StepOutcome
+from akv.errors import AkvError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -116,7 +117,12 @@ class PoolShardActor(Actor):
             if outcome.copies:
                 src = [s for s, _ in outcome.copies]
                 dst = [d for _, d in outcome.copies]
-                ticket = self.copy_executor.submit(src, dst)
+                try:
+                    ticket = self.copy_executor.submit(src, dst)
+                except AkvError as exc:
+                    # The step is applied and cannot be taken back without its copies:
+                    # a broken stream worker fails the manager.
+                    raise RuntimeError(f"stream worker refused copies: {exc}") from exc
                 self._pinned.append((ticket, src + dst))
                 self.log.debug("cow.copy", blocks=len(src), src_block_ids=src[:16], dst_block_ids=dst[:16])
             result: Any = (outcome, ticket)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import struct
 from collections.abc import Hashable, Sequence
 
+import numpy as np
+
 _ID = struct.Struct("<q")
 
 
@@ -214,5 +216,8 @@ def block_keys(tokens, block_size: int, num_blocks: int) -> list[bytes]:
         ``num_blocks`` byte strings of ``4 * block_size`` bytes each.
     """
     width = 4 * block_size
-    raw = tokens[: num_blocks * block_size].tobytes()
+    head = tokens[: num_blocks * block_size]
+    if head.dtype != np.int32:  # keys are defined on int32 bytes
+        head = head.astype(np.int32)
+    raw = head.tobytes()
     return [raw[i : i + width] for i in range(0, num_blocks * width, width)]

@@ -187,6 +187,9 @@ class CopyExecutor:
         self._failure: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._cuda = storage is not None and storage.device.type == "cuda"
+        #: Called from the worker thread with the :class:`ActorCrashed` of a failed
+        #: batch (a device error), once per failed batch; the manager fails itself.
+        self.on_failure: Callable[[ActorCrashed], object] | None = None
         self._stream = torch.cuda.Stream(storage.device) if self._cuda else None
 
     @property
@@ -345,10 +348,13 @@ class CopyExecutor:
         except (ActorCrashed, ManagerClosed) as err:
             exc = err
         except Exception as err:  # reported through the ticket; breaks the executor
-            exc = err
+            exc = ActorCrashed(_ACTOR, err)
+            exc.__cause__ = err
             with self._lock:
                 self._failure = err
         job.keepalive = ()
+        if isinstance(exc, ActorCrashed) and exc.cause is not None and self.on_failure is not None:
+            self.on_failure(exc)  # before the ticket settles: its waiters see a failed manager
         self.completed_seq_no = job.ticket.seq_no
         job.ticket._finish(exc)
 

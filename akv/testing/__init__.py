@@ -2,8 +2,9 @@
 
 :mod:`akv.testing.state_machine` holds a Hypothesis ``RuleBasedStateMachine``
 that drives a :class:`~akv.core.shard_state.ShardState` against a plain-Python
-model. Hypothesis is a development dependency, so it is imported only when the
-machine is first used::
+model (``ShardStateMachine``; ``PendingCopiesMachine`` keeps copy-on-write
+copies pending across steps). Hypothesis is a development dependency, so it is
+imported only when a machine is first used::
 
     from akv.testing import ShardStateMachine, TestShardStateMachine
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ShardStateMachine", "TestShardStateMachine"]
+__all__ = ["PendingCopiesMachine", "ShardStateMachine", "TestPendingCopiesMachine", "TestShardStateMachine"]
 
 
 def __getattr__(name: str) -> Any:

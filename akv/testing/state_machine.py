@@ -42,13 +42,19 @@ from hypothesis import HealthCheck, event, note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from akv.core.block_pool import ACTIVE, CACHED
+from akv.core.block_pool import ACTIVE, CACHED, FREE
 from akv.core.radix_tree import RadixTree, block_keys
 from akv.core.shard_state import ShardCounters, ShardState, drive
 from akv.core.step import Admit, StepOutcome, StepRequest
 from akv.errors import DuplicateSequence, InvalidInput, PoolExhausted, RequestTooLarge, UnknownSequence
 
-__all__ = ["ModelSequence", "ShardStateMachine", "TestShardStateMachine"]
+__all__ = [
+    "ModelSequence",
+    "PendingCopiesMachine",
+    "ShardStateMachine",
+    "TestPendingCopiesMachine",
+    "TestShardStateMachine",
+]
 
 #: Prompt prefixes: 0 and 1 share their first two blocks (of 4 tokens), 2 shares nothing.
 PREFIXES: tuple[tuple[int, ...], ...] = (
@@ -89,6 +95,9 @@ class ShardStateMachine(RuleBasedStateMachine):
     first_block_id = 100
     #: Live sequences at most.
     max_sequences = 6
+    #: Keep copy-on-write copies pending until the ``finish_copies`` rule of
+    #: :class:`PendingCopiesMachine` runs (False: they finish within their step).
+    hold_copies = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -97,6 +106,8 @@ class ShardStateMachine(RuleBasedStateMachine):
         self.model: dict[Hashable, ModelSequence] = {}
         self.published: dict[tuple[Hashable, tuple[int, ...]], int] = {}
         self.dead: list[Hashable] = ["never-added"]
+        #: Pinned block ids (sources and destinations) of each copy batch still pending, oldest first.
+        self.pending: list[list[int]] = []
         self._next_block = 0
         self._next_id = 0
 
@@ -122,8 +133,15 @@ class ShardStateMachine(RuleBasedStateMachine):
     def _step(self, **kw: Any) -> StepOutcome:
         out = drive(self.shard.step(StepRequest(**kw)), self.tree)
         if out.copies:
-            self.shard.release_copy_pins([b for pair in out.copies for b in pair])
+            pins = [b for pair in out.copies for b in pair]
+            if self.hold_copies:
+                self.pending.append(pins)
+            else:  # the copies ran: release their source and destination pins
+                self.shard.release_copy_pins(pins)
         return out
+
+    def _pinned(self) -> set[int]:
+        return {b for pins in self.pending for b in pins}
 
     def _snapshot(self) -> tuple:
         """Everything an error must leave unchanged (the ``pool_exhausted`` counter excepted)."""
@@ -454,7 +472,9 @@ class ShardStateMachine(RuleBasedStateMachine):
     def states_add_up(self) -> None:
         counts = self.shard.pool.counts()
         assert sum(counts.values()) == self.num_blocks, counts
-        assert counts["in_flight"] == 0, f"a block is in flight at a quiescent point: {counts}"
+        referenced = {b for seq in self.shard.sequences.values() for b in seq.block_ids.tolist()}
+        in_flight = len(self._pinned() - referenced)
+        assert counts["in_flight"] == in_flight, f"{counts}: expected {in_flight} unreferenced blocks held by copies"
 
     @invariant()
     def shard_and_tree_are_consistent(self) -> None:
@@ -506,8 +526,35 @@ class ShardStateMachine(RuleBasedStateMachine):
         for b, r in refs.items():
             assert pool.state(b) == ACTIVE and pool.refcount(b) == r, f"block {b}: state {pool.state(b)}, refs {r}"
         assert pool.num_active == len(refs)
-        published_idle = {m for m in self.published.values()} - {m for s in self.model.values() for m in s.blocks}
-        assert pool.num_cached == len(published_idle), "cached blocks are not exactly the idle published ones"
+        pinned = self._pinned()
+        for b in pinned:
+            assert pool.state(b) != FREE, f"block {b} is free while a pending copy still uses it"
+        published_idle = set(self.tree.block_ids()) - set(refs)
+        model_idle = set(self.published.values()) - {m for s in self.model.values() for m in s.blocks}
+        assert len(published_idle) == len(model_idle)
+        assert pool.num_cached == len(published_idle - pinned), "cached blocks are not exactly the idle published ones"
+
+
+class PendingCopiesMachine(ShardStateMachine):
+    """The same machine with copy-on-write copies that stay pending across steps.
+
+    Their source and destination blocks stay pinned (in flight once no table
+    holds them) until ``finish_copies`` completes the oldest batches, as the
+    stream worker does in submission order. Checks that a pinned block is
+    never handed out, and that a published block still read by a copy can be
+    a prefix hit.
+    """
+
+    hold_copies = True
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data())
+    def finish_copies(self, data) -> None:
+        n = data.draw(st.integers(1, len(self.pending)), label="batches")
+        done, self.pending = self.pending[:n], self.pending[n:]
+        note(f"finish {n} copy batches: {done}")
+        for pins in done:
+            self.shard.release_copy_pins(pins)
 
 
 ShardStateMachine.TestCase.settings = settings(
@@ -517,3 +564,5 @@ ShardStateMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestShardStateMachine = ShardStateMachine.TestCase
+PendingCopiesMachine.TestCase.settings = ShardStateMachine.TestCase.settings
+TestPendingCopiesMachine = PendingCopiesMachine.TestCase

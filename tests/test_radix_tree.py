@@ -1,0 +1,185 @@
+"""RadixTree (the prefix cache index) and block_keys, asserted exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from akv.core.radix_tree import RadixTree, block_keys
+
+BS = 4
+NS = ("shard0", None)
+
+
+def key(*tokens: int) -> bytes:
+    """The tree key of one block of tokens: little-endian int32 bytes."""
+    assert len(tokens) == BS
+    return np.array(tokens, dtype="<i4").tobytes()
+
+
+K0, K1, K2, K3 = key(0, 1, 2, 3), key(4, 5, 6, 7), key(8, 9, 10, 11), key(12, 13, 14, 15)
+KX = key(7, 7, 7, 7)
+
+
+@pytest.fixture
+def tree() -> RadixTree:
+    t = RadixTree()
+    assert t.insert(NS, None, [K0, K1, K2], [5, 6, 7]) == 3
+    return t
+
+
+# ------------------------------------------------------------------ block_keys
+def test_block_keys_are_per_block_int32_bytes() -> None:
+    tokens = np.arange(10, dtype=np.int32)
+    keys = block_keys(tokens, BS, 2)
+    assert keys == [K0, K1]
+    assert [len(k) for k in keys] == [16, 16]
+    assert block_keys(tokens, BS, 0) == []
+    assert block_keys(np.array([1, 2, 3, 4], dtype=np.int32), 2, 2) == [
+        np.array([1, 2], dtype="<i4").tobytes(),
+        np.array([3, 4], dtype="<i4").tobytes(),
+    ]
+
+
+def test_block_keys_ignore_tokens_past_the_full_blocks() -> None:
+    a = block_keys(np.array([0, 1, 2, 3, 99], dtype=np.int32), BS, 1)
+    b = block_keys(np.array([0, 1, 2, 3, 42, 43], dtype=np.int32), BS, 1)
+    assert a == b == [K0]
+
+
+def test_block_keys_distinguish_token_order() -> None:
+    assert block_keys(np.array([1, 0, 2, 3], dtype=np.int32), BS, 1) != [K0]
+
+
+# ------------------------------------------------------------------------ match
+def test_match_longest_prefix(tree: RadixTree) -> None:
+    assert tree.match(NS, [K0, K1, K2]) == [5, 6, 7]
+    assert tree.match(NS, [K0, K1, K2, K3]) == [5, 6, 7]
+    assert tree.match(NS, [K0, K1]) == [5, 6]
+    assert tree.match(NS, [K0, KX, K2]) == [5]
+    assert tree.match(NS, [KX]) == []
+    assert tree.match(NS, []) == []
+    assert len(tree) == 3
+    assert 5 in tree and 7 in tree and 8 not in tree
+
+
+def test_same_block_tokens_under_another_prefix_never_hit(tree: RadixTree) -> None:
+    # K1 and K2 are cached, but only below K0: on their own, or below another
+    # block, they are different prefixes.
+    assert tree.match(NS, [K1]) == []
+    assert tree.match(NS, [K1, K2]) == []
+    assert tree.match(NS, [KX, K1, K2]) == []
+    assert tree.lookup(NS, [K2]) == 0
+
+
+def test_namespaces_isolate(tree: RadixTree) -> None:
+    other = ("shard0", "tenant-b")
+    assert tree.match(other, [K0, K1]) == []
+    assert tree.lookup(other, [K0]) == 0
+    assert tree.insert(other, None, [K0, K1], [20, 21]) == 2
+    assert tree.match(other, [K0, K1, K2]) == [20, 21]
+    assert tree.match(NS, [K0, K1, K2]) == [5, 6, 7]
+    assert tree.match(("shard1", None), [K0]) == []
+    assert sorted(tree.block_ids()) == [5, 6, 7, 20, 21]
+    tree.check()
+
+
+def test_lookup_equals_match_length(tree: RadixTree) -> None:
+    assert tree.lookup(NS, [K0, K1, K2, K3]) == 3
+    assert tree.lookup(NS, [K0, KX]) == 1
+    assert tree.lookup(("nowhere",), [K0]) == 0
+    assert len(tree) == 3
+    tree.check()
+
+
+# ----------------------------------------------------------------------- insert
+def test_insert_below_a_parent_block(tree: RadixTree) -> None:
+    assert tree.insert(NS, 6, [KX], [9]) == 1
+    assert tree.match(NS, [K0, K1, KX]) == [5, 6, 9]
+    assert tree.match(NS, [K0, K1, K2]) == [5, 6, 7]
+    assert tree.path(9) == [5, 6, 9]
+    assert tree.is_leaf(9) and tree.is_leaf(7) and not tree.is_leaf(6)
+    tree.check()
+
+
+def test_insert_below_unknown_parent_returns_zero(tree: RadixTree) -> None:
+    assert tree.insert(NS, 99, [K3], [8]) == 0
+    assert 8 not in tree
+    assert len(tree) == 3
+
+
+def test_insert_of_already_published_chain_counts_it(tree: RadixTree) -> None:
+    assert tree.insert(NS, None, [K0, K1, K2], [5, 6, 7]) == 3
+    assert tree.insert(NS, 7, [K3], [8]) == 1
+    assert tree.insert(NS, None, [K0, K1, K2, K3], [5, 6, 7, 8]) == 4
+    assert len(tree) == 4
+    tree.check()
+
+
+def test_insert_stops_at_a_duplicate_block(tree: RadixTree) -> None:
+    # The same tokens computed twice (as block 9 instead of 6): the chain ends
+    # there and neither 9 nor anything after it is published.
+    assert tree.insert(NS, None, [K0, K1, K3], [5, 9, 10]) == 1
+    assert 9 not in tree and 10 not in tree
+    assert tree.insert(NS, None, [K0, K1], [11, 12]) == 0
+    assert 11 not in tree and 12 not in tree
+    assert len(tree) == 3
+    assert tree.match(NS, [K0, K1, K2]) == [5, 6, 7]
+    tree.check()
+
+
+def test_insert_rejects_a_block_already_elsewhere(tree: RadixTree) -> None:
+    with pytest.raises(ValueError, match="block 7 is already in the prefix cache elsewhere"):
+        tree.insert(NS, None, [KX], [7])
+    assert tree.match(NS, [KX]) == []
+    assert tree.path(7) == [5, 6, 7]
+    tree.check()
+
+
+def test_insert_rejects_mismatched_lengths(tree: RadixTree) -> None:
+    with pytest.raises(ValueError, match="2 keys for 1 blocks"):
+        tree.insert(NS, None, [K0, K1], [5])
+    assert len(tree) == 3
+
+
+# ----------------------------------------------------------------------- remove
+def test_remove_leaves_refuses_inner_nodes(tree: RadixTree) -> None:
+    assert tree.remove_leaves([5, 6]) == ([], [5, 6])
+    assert tree.remove_leaves([99]) == ([], [99])
+    assert len(tree) == 3
+    assert tree.remove_leaves([7]) == ([7], [])
+    assert tree.match(NS, [K0, K1, K2]) == [5, 6]
+    assert 7 not in tree
+    tree.check()
+
+
+def test_remove_leaves_in_order_takes_parent_after_child(tree: RadixTree) -> None:
+    assert tree.remove_leaves([7, 6, 5]) == ([7, 6, 5], [])
+    assert len(tree) == 0
+    assert tree.match(NS, [K0]) == []
+    assert tree.block_ids() == []
+    # The namespace root survives; the same tokens can be published again under new ids.
+    assert tree.insert(NS, None, [K0], [30]) == 1
+    assert tree.match(NS, [K0, K1]) == [30]
+    tree.check()
+
+
+def test_remove_leaves_parent_before_child_is_refused(tree: RadixTree) -> None:
+    assert tree.remove_leaves([6, 7]) == ([7], [6])
+    assert tree.match(NS, [K0, K1, K2]) == [5, 6]
+    tree.check()
+
+
+def test_remove_then_same_id_can_be_inserted_elsewhere(tree: RadixTree) -> None:
+    tree.remove_leaves([7])
+    assert tree.insert(NS, None, [KX], [7]) == 1
+    assert tree.path(7) == [7]
+    tree.check()
+
+
+# ------------------------------------------------------------------- path/check
+def test_path_of_unknown_block_raises(tree: RadixTree) -> None:
+    assert tree.path(5) == [5]
+    assert tree.path(7) == [5, 6, 7]
+    with pytest.raises(KeyError):
+        tree.path(42)

@@ -1,0 +1,87 @@
+"""ShardState: the shipped stateful machine (akv.testing) plus pinned regressions found around it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from akv.core.radix_tree import RadixTree
+from akv.core.shard_state import ShardState, drive
+from akv.core.step import Admit, StepOutcome, StepRequest
+from akv.errors import PoolExhausted
+from akv.testing import PendingCopiesMachine, ShardStateMachine, TestPendingCopiesMachine, TestShardStateMachine
+
+__all__ = ["TestPendingCopiesMachine", "TestShardStateMachine"]
+
+BS = 4
+
+
+def tokens(*ids: int) -> np.ndarray:
+    return np.array(ids, dtype=np.int32)
+
+
+class Shard:
+    """A ShardState driven synchronously against a local tree; copies stay pending until released."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.state = ShardState(0, range(num_blocks), BS)
+        self.tree = RadixTree()
+
+    def step(self, **kw) -> StepOutcome:
+        return drive(self.state.step(StepRequest(**kw)), self.tree)
+
+    def check(self) -> None:
+        self.tree.check()
+        self.state.check(self.tree.block_ids())
+
+
+def test_machines_are_exported_with_their_settings() -> None:
+    assert TestShardStateMachine is ShardStateMachine.TestCase
+    assert issubclass(PendingCopiesMachine, ShardStateMachine)
+    assert (ShardStateMachine.hold_copies, PendingCopiesMachine.hold_copies) == (False, True)
+    for case in (TestShardStateMachine, TestPendingCopiesMachine):
+        assert (case.settings.max_examples, case.settings.stateful_step_count) == (60, 40)
+
+
+def test_prefix_hit_on_published_block_still_pinned_by_a_copy() -> None:
+    # Regression: the hit raised ValueError (incref of an in-flight block); fixed in 23d58aa.
+    shard = Shard(8)
+    shard.step(admits=[Admit(seq_id="p", prompt=tokens(0, 1, 2, 3, 4, 5), prefill_done=True)])
+    shard.step(forks=[("p", ["c"])])
+    out = shard.step(appends={"c": tokens(9)})  # c copies the shared partial tail (block 1)
+    assert out.copies == [(1, 2)]
+    shard.step(appends={"p": tokens(6, 7)})  # p fills block 1 ...
+    shard.step(commits={"p": 2})  # ... publishes it ...
+    shard.step(frees=["p"])  # ... and drops it while the copy still reads it
+    assert shard.state.pool.counts() == {"free": 5, "active": 2, "cached": 0, "in_flight": 1}
+    out = shard.step(admits=[Admit(seq_id="q", prompt=tokens(0, 1, 2, 3, 4, 5, 6, 7, 8))])
+    assert out.cached_tokens == {"q": 8}
+    assert shard.state.sequences["q"].block_ids.tolist()[:2] == [0, 1]
+    shard.state.release_copy_pins([1, 2])
+    assert shard.state.pool.counts() == {"free": 4, "active": 4, "cached": 0, "in_flight": 0}
+    shard.check()
+
+
+def test_rejected_admission_keeps_later_admissions_hits_protected() -> None:
+    # Regression: a rejected admission dropped its hits from the protected set although a later
+    # admission of the same step had matched the same blocks; that one then evicted its own hits
+    # (ValueError: incref of block 1 in state free). Fixed in 6e1dc5a (a multiset of protections).
+    shard = Shard(7)
+    shared = [0, 1, 2, 3, 4, 5, 6, 7]  # two blocks
+    shard.step(admits=[Admit(seq_id="a", prompt=tokens(*shared, 100), prefill_done=True)])
+    shard.step(frees=["a"])  # a's two blocks cached (least recently used), 5 free
+    shard.step(admits=[Admit(seq_id="z", prompt=tokens(200, 201, 202, 203, 204), prefill_done=True)])
+    shard.step(frees=["z"])  # one more cached block, 4 free
+    shard.step(admits=[Admit(seq_id="x", prompt=tokens(*[50] * 12))])  # 1 free left
+    out = shard.step(
+        admits=[
+            Admit(seq_id="big", prompt=tokens(*shared, *[7] * 16)),  # 2 hits + 4 new: PoolExhausted
+            Admit(seq_id="small", prompt=tokens(*shared, 9, 9, 9, 9, 9)),  # 2 hits + 2 new: evicts z's block
+        ]
+    )
+    big = out.rejected["big"]
+    assert isinstance(big, PoolExhausted)
+    assert (big.requested_blocks, big.free_blocks, big.evictable_blocks) == (4, 1, 1)
+    assert out.cached_tokens == {"small": 8}
+    assert out.evicted_blocks == 1
+    assert shard.state.sequences["small"].block_ids.tolist()[:2] == [0, 1]
+    shard.check()
