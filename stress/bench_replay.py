@@ -22,6 +22,7 @@ import anyio
 import torch
 
 from akv import KVCacheConfig, KVCacheManager, model_shape
+from akv.obs import configure_logging
 from akv.replay import ReplayOptions, replay
 from akv.trace import read_trace, shared_trace_path
 
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch", type=int, default=256)
     parser.add_argument("--json", type=Path, default=Path("stress/results/bench_replay.json"))
     args = parser.parse_args(argv)
+    configure_logging(level="warning")
 
     path = args.trace or shared_trace_path("mooncake_conversation.jsonl")
     if path is None:

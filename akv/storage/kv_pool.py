@@ -103,7 +103,8 @@ class KVStorage:
             zero-initialised.
 
     Raises:
-        InvalidInput: A size is not a positive int.
+        InvalidInput: A size is not a positive int, the dtype or device is
+            bad, or CUDA is requested where it is not available.
     """
 
     def __init__(
@@ -129,6 +130,12 @@ class KVStorage:
                 raise InvalidInput(f"{name} must be a positive int, got {value!r}")
         if not isinstance(dtype, torch.dtype):
             raise InvalidInput(f"dtype must be a torch.dtype, got {dtype!r}")
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise InvalidInput(f"bad device {device!r}: {exc}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise InvalidInput("device 'cuda' requested but CUDA is not available on this machine")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_layers = num_layers
