@@ -598,6 +598,16 @@ class KVCacheManager:
         return sum(s.blocks_in_use for s in self._shards)
 
     @property
+    def blocks_available(self) -> int:
+        """Free plus evictable blocks, as published by the shards after their last message; a gauge.
+
+        A scheduler can skip an admission that cannot fit (vLLM's ``can_allocate``)
+        without a message: a prompt of ``n`` blocks fits at most when
+        ``n <= blocks_available`` plus its hits on blocks other sequences hold.
+        """
+        return sum(s.blocks_available for s in self._shards)
+
+    @property
     def inbox_depths(self) -> dict[str, int]:
         """Messages waiting in each actor's inbox now."""
         return {a.name: a.inbox_depth for a in self._actors}

@@ -107,6 +107,8 @@ class PoolShardActor(Actor):
         self.free_fraction = 1.0
         #: Referenced (active) plus in-flight blocks after the last message.
         self.blocks_in_use = 0
+        #: Free plus evictable (cached) blocks after the last message.
+        self.blocks_available = state.pool.num_blocks
 
     async def handle(self, msg: Any) -> Any:
         """Serve :class:`Step`, :class:`Evict`, :class:`Inspect`, :class:`Stats` or :class:`Check`."""
@@ -168,6 +170,7 @@ class PoolShardActor(Actor):
         pool = self.state.pool
         self.free_fraction = pool.num_free / pool.num_blocks
         self.blocks_in_use = pool.num_active + pool.num_in_flight
+        self.blocks_available = pool.num_free + pool.num_cached
         if self.free_fraction < self.low_watermark and pool.num_cached:
             self.wake_eviction()
         if self.debug_invariants:

@@ -172,6 +172,9 @@ async def replay(
         pending: list[tuple[int, np.ndarray | None, _Running]] = []
         budget = options.max_prefill_tokens
         slots = options.max_batch - len(running)
+        # Free plus evictable blocks (a gauge): a head request that cannot fit is
+        # not even tried, rather than matched and rejected every step.
+        available = kv.blocks_available
         while waiting and slots > 0:
             index, resume = waiting[0]
             req = requests[index]
@@ -190,6 +193,10 @@ async def replay(
             tokens = prompt if resume is None else np.concatenate([prompt, resume])
             if admits and len(tokens) > budget:
                 break
+            blocks = -(-len(tokens) // cfg.block_size)
+            if blocks > available and blocks <= cfg.num_blocks // cfg.num_shards:
+                break  # wait for room (FCFS); a request larger than a shard is rejected by the manager
+            available -= blocks
             waiting.popleft()
             seq_id = f"r{index}"
             r = _Running(index, seq_id, len(prompt), out_len(req), outputs)
