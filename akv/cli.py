@@ -64,9 +64,11 @@ def _build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--log-level", default="warning", help="console log level (default warning)")
     rp.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+    from akv.generate import register as register_generate
     from akv.stress import register as register_stress
 
     register_stress(sub)
+    register_generate(sub)
     return parser
 
 
@@ -152,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
             from akv.stress import main_stress
 
             return main_stress(args)
+        if args.command == "generate":
+            from akv.generate import main_generate
+
+            return main_generate(args)
     except TraceError as exc:
         print(f"akv: error: {exc}", file=sys.stderr)
         return 2

@@ -9,20 +9,22 @@ copy-on-write copies, shared blocks and no leaked block). Without
 ``--check`` it prints what the paged runs generated.
 
 Wiring (in :mod:`akv.cli`): ``register(subparsers)`` adds the sub-command and
-``main_generate(args)`` runs it and returns the exit code.
+``main_generate(args)`` runs it and returns the exit code. Importing this
+module is cheap (argparse and rich); torch and the manager load when the
+command runs.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import anyio
-import torch
 from rich.console import Console
 from rich.table import Table
 
-from akv.testing.equivalence import CheckResult, make_prompt, run_equivalence_checks
+if TYPE_CHECKING:
+    from akv.testing.equivalence import CheckResult
 
 __all__ = ["main_generate", "register"]
 
@@ -59,6 +61,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     gp.add_argument("--block-size", type=_positive_int, default=4, help="tokens per block (default 4)")
     gp.add_argument("--prompt-len", type=_positive_int, default=21, help="prompt tokens (default 21)")
     gp.add_argument("--tolerance", type=float, default=1e-4, help="max |logit| or |score| difference (default 1e-4)")
+    gp.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=1,
+        help="torch intra-op threads while running (default 1: the model is tiny, more threads only add sync)",
+    )
     gp.add_argument("--log-level", default="warning", help="console log level (default warning)")
     return gp
 
@@ -70,19 +78,32 @@ def main_generate(args: argparse.Namespace, console: Console | None = None) -> i
         args: Parsed options of the sub-parser made by :func:`register`.
         console: Where to print (default: a new rich console on stdout).
     """
+    import anyio
+    import torch
+
     console = console or Console()
     if args.device == "cuda" and not torch.cuda.is_available():
         console.print("akv generate: error: --device cuda but no CUDA device is available")
         return 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        if args.check:
+            results = anyio.run(_run_checks, args)
+        else:
+            rows = anyio.run(_run_paged, args)
+    finally:
+        torch.set_num_threads(threads)
     if args.check:
-        results = anyio.run(_run_checks, args)
         print_comparison(results, args, console)
         return 0 if all(r.passed for r in results) else 1
-    print_generations(anyio.run(_run_paged, args), args, console)
+    print_generations(rows, args, console)
     return 0
 
 
 async def _run_checks(args: argparse.Namespace) -> list[CheckResult]:
+    from akv.testing.equivalence import run_equivalence_checks
+
     return await run_equivalence_checks(
         device=args.device,
         seed=args.seed,
@@ -97,6 +118,7 @@ async def _run_checks(args: argparse.Namespace) -> list[CheckResult]:
 
 async def _run_paged(args: argparse.Namespace) -> list[tuple[str, Sequence[int], float | None]]:
     from akv.manager import KVCacheManager
+    from akv.testing.equivalence import make_prompt
     from akv.testing.generation import beam_search_paged, greedy_paged, sample_paged
     from akv.testing.model import TinyLM, TinyLMConfig
 
@@ -122,24 +144,25 @@ async def _run_paged(args: argparse.Namespace) -> list[tuple[str, Sequence[int],
 def print_comparison(results: Sequence[CheckResult], args: argparse.Namespace, console: Console) -> None:
     """Print the paged-vs-dense comparison table and a one-line verdict."""
     table = Table(
-        title=(
-            f"akv generate --check: paged (akv) vs dense KV cache — device {args.device}, seed {args.seed}, "
-            f"{args.steps} steps, block size {args.block_size}"
-        )
+        title=f"paged (akv) vs dense KV cache: {args.device}, seed {args.seed}, {args.steps} steps, block size "
+        f"{args.block_size}"
     )
     table.add_column("check")
     table.add_column("seqs", justify="right")
     table.add_column("tokens")
     table.add_column("max |Δ|", justify="right")
     table.add_column("cache")
+    table.add_column("leaks")
     table.add_column("result")
+    leaks = {None: "-", True: "none", False: "[red]LEAK[/red]"}
     for r in results:
         table.add_row(
             r.name,
             str(r.sequences),
-            "identical" if r.tokens_equal else "[red]DIFFER[/red]",
-            f"{r.max_abs_diff:.2e} ({r.diff_of})",
-            ("" if r.cache_ok else "[red]FAILED[/red] ") + r.cache_note,
+            "same" if r.tokens_equal else "[red]DIFFER[/red]",
+            f"{r.max_abs_diff:.1e} {r.diff_of}",
+            r.cache_note if r.cache_ok else f"[red]{r.cache_note}[/red]",
+            leaks[r.leak_free],
             "[green]match[/green]" if r.passed else "[red]MISMATCH[/red]",
         )
     console.print(table)
@@ -150,8 +173,9 @@ def print_comparison(results: Sequence[CheckResult], args: argparse.Namespace, c
         console.print(f"[green]all {len(results)} checks match[/green] (tolerance {results[0].tolerance:g})")
 
 
-def print_generations(rows: Sequence[tuple[str, Sequence[int], float | None]], args: argparse.Namespace,
-                      console: Console) -> None:
+def print_generations(
+    rows: Sequence[tuple[str, Sequence[int], float | None]], args: argparse.Namespace, console: Console
+) -> None:
     """Print the token ids the paged runs generated."""
     table = Table(title=f"akv generate: tiny seeded transformer through the paged cache (device {args.device})")
     table.add_column("sequence")
