@@ -18,6 +18,7 @@ so a cancelled caller never leaves a half-applied operation; cleaning up by id
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ from akv.core.shard_state import ShardState
 from akv.core.step import Admit, StepOutcome, StepRequest
 from akv.core.tokens import as_token_array
 from akv.errors import ActorCrashed, DuplicateSequence, InvalidInput, InvalidTokens, ManagerClosed, UnknownSequence
+from akv.obs.metrics import ManagerMetrics, MetricsSnapshot
 from akv.results import NO_COPIES, CacheStats, CopyCompletion, StepResult
 from akv.storage import CopyExecutor, KVStorage
 
@@ -79,6 +81,7 @@ class KVCacheManager:
         self._sharded_lock = anyio.Lock()
         self._shards: list[PoolShardActor] = []
         self._actors: list[Actor] = []
+        self._metrics = ManagerMetrics(self._metrics_snapshot)
 
     # ------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> KVCacheManager:
@@ -95,6 +98,7 @@ class KVCacheManager:
             high_watermark=cfg.high_watermark,
             batch_blocks=cfg.eviction_batch_blocks,
             logger=self._logger,
+            batch_seconds=self._metrics.eviction_batch_s,
         )
         for index, block_ids in enumerate(cfg.shard_ranges()):
             state = ShardState(index, block_ids, cfg.block_size, enable_prefix_cache=cfg.enable_prefix_cache)
@@ -108,6 +112,7 @@ class KVCacheManager:
                     debug_invariants=cfg.debug_invariants,
                     inbox_capacity=cfg.inbox_capacity,
                     logger=self._logger,
+                    copy_bytes=self._metrics.copy_bytes,
                 )
             )
         self._actors: list[Actor] = [self._tree, *self._shards]
@@ -217,6 +222,7 @@ class KVCacheManager:
         self,
         *,
         frees: Iterable[Hashable] = (),
+        preempted: Iterable[Hashable] = (),
         commits: Mapping[Hashable, int] | None = None,
         forks: Iterable[tuple[Hashable, Sequence[Hashable]]] = (),
         appends: Mapping[Hashable, Any] | None = None,
@@ -231,6 +237,9 @@ class KVCacheManager:
 
         Args:
             frees: Sequence ids to free (unknown ids are ignored).
+            preempted: Sequence ids to free as preemptions (the scheduler will
+                re-admit them, with ``Admit(resumed=True)``); freed like
+                ``frees`` and counted in ``CacheStats.preemptions``.
             commits: Id -> number of tokens whose K/V the runner has written
                 since the last commit. Committed full blocks are published to
                 the prefix cache.
@@ -252,6 +261,7 @@ class KVCacheManager:
             ActorCrashed, ManagerClosed: The manager is not running.
         """
         self._check_running()
+        t0 = time.perf_counter()
         vocab = self.config.vocab_size
         appends_arr: dict[Hashable, Any] = {}
         for seq_id, tokens in (appends or {}).items():
@@ -268,8 +278,10 @@ class KVCacheManager:
             prompt = as_token_array(adm.prompt, vocab, what=f"prompt of {adm.seq_id!r}")
             admits_arr.append(dataclasses.replace(adm, prompt=prompt))
         forks = [(parent, tuple(children)) for parent, children in forks]
+        preempted = frozenset(preempted)
         request = StepRequest(
-            frees=tuple(frees),
+            frees=(*frees, *preempted),
+            preempted=preempted,
             commits=dict(commits or {}),
             forks=forks,
             appends=appends_arr,
@@ -282,8 +294,11 @@ class KVCacheManager:
                 outcome, ticket = await self._shards[0].ask(Step(request))
                 self._track(ticket)
             await anyio.lowlevel.checkpoint_if_cancelled()
-            return self._result([outcome], [ticket] if ticket is not None else [])
-        return await self._step_sharded(request)
+            result = self._result([outcome], [ticket] if ticket is not None else [])
+        else:
+            result = await self._step_sharded(request)
+        self._metrics.step_latency_s.observe(time.perf_counter() - t0)
+        return result
 
     async def _step_sharded(self, request: StepRequest) -> StepResult:
         """Split a step by shard; validate every part, then apply every part (all or nothing).
@@ -296,7 +311,7 @@ class KVCacheManager:
             parts: dict[int, dict[str, Any]] = {}
 
             def part(shard: int) -> dict[str, Any]:
-                return parts.setdefault(shard, {"frees": [], "commits": {}, "forks": [], "appends": {}, "admits": []})
+                return parts.setdefault(shard, {"frees": [], "preempted": frozenset(), "commits": {}, "forks": [], "appends": {}, "admits": []})
 
             def where(seq_id: Hashable) -> int:
                 try:
@@ -308,6 +323,8 @@ class KVCacheManager:
             for seq_id in request.frees:
                 if seq_id in route:
                     part(route[seq_id])["frees"].append(seq_id)
+            for fields in parts.values():
+                fields["preempted"] = frozenset(s for s in fields["frees"] if s in request.preempted)
             for seq_id, n in request.commits.items():
                 part(where(seq_id))["commits"][seq_id] = n
             children: dict[Hashable, int] = {}
@@ -484,14 +501,55 @@ class KVCacheManager:
             raise InvalidInput(f"child_ids must be a sequence of ids, got {child_ids!r}")
         await self.step(forks=[(seq_id, tuple(child_ids))], want_metadata=False)
 
-    async def free(self, seq_id: Hashable) -> bool:
+    async def free(self, seq_id: Hashable, *, preempted: bool = False) -> bool:
         """Free a sequence's blocks (full published blocks stay cached). Idempotent.
+
+        Args:
+            seq_id: The sequence.
+            preempted: The scheduler preempts it (to re-admit later); counted
+                in ``CacheStats.preemptions``.
 
         Returns:
             True if the sequence was live, False if unknown or already freed.
         """
-        result = await self.step(frees=(seq_id,), want_metadata=False)
+        if preempted:
+            result = await self.step(preempted=(seq_id,), want_metadata=False)
+        else:
+            result = await self.step(frees=(seq_id,), want_metadata=False)
         return bool(result.freed)
+
+    # ---------------------------------------------------------------- metrics
+    @property
+    def metrics_registry(self) -> Any:
+        """This manager's own ``prometheus_client.CollectorRegistry`` (see docs/metrics.md).
+
+        Counters and block gauges are read from the shards at scrape time, so
+        they equal :meth:`stats` at any quiescent point; they stay readable
+        after exit (final values).
+        """
+        return self._metrics.registry
+
+    def _metrics_snapshot(self) -> MetricsSnapshot:
+        """Read the shards' counters and pool counts (plain reads; safe from a scrape thread)."""
+        totals: dict[str, int] = {}
+        blocks = {"free": 0, "active": 0, "cached": 0, "in_flight": 0}
+        for shard in list(self._shards):
+            state = shard.state
+            c = state.counters
+            for name in c.__slots__:
+                totals[name] = totals.get(name, 0) + getattr(c, name)
+            pool = state.pool
+            totals["blocks_freed"] = totals.get("blocks_freed", 0) + pool.blocks_freed
+            blocks["free"] += pool.num_free
+            blocks["active"] += pool.num_active
+            blocks["cached"] += pool.num_cached
+            blocks["in_flight"] += pool.num_in_flight
+        return MetricsSnapshot(
+            counters=totals,
+            blocks=blocks,
+            num_blocks=self.config.num_blocks,
+            inbox_depths={a.name: a.inbox_depth for a in list(self._actors)},
+        )
 
     # ---------------------------------------------------------------- queries
     async def lookup(self, prompt: Any, *, namespace: Hashable = None) -> int:
@@ -565,6 +623,11 @@ class KVCacheManager:
             eviction_loop_blocks=self._eviction.stats.blocks,
             max_inbox_depth=depth,
             pool_bytes=self.storage.nbytes if self.storage is not None else 0,
+            blocks_freed=sum(s.blocks_freed for s in shard_stats),
+            preemptions=sum(x.preemptions for x in c),
+            sequences_resumed=sum(x.sequences_resumed for x in c),
+            resumed_prompt_tokens=sum(x.resumed_prompt_tokens for x in c),
+            resumed_cached_tokens=sum(x.resumed_cached_tokens for x in c),
         )
 
     async def check(self) -> None:

@@ -44,6 +44,7 @@ class EvictionLoop:
         high_watermark: Free fraction to refill to (0.0-1.0).
         batch_blocks: Blocks per eviction batch.
         logger: structlog logger.
+        batch_seconds: Histogram (``observe(seconds)``) of each batch's wall time.
     """
 
     def __init__(
@@ -54,6 +55,7 @@ class EvictionLoop:
         high_watermark: float,
         batch_blocks: int,
         logger: Any = None,
+        batch_seconds: Any = None,
     ) -> None:
         self.shards = shards
         self.low_watermark = low_watermark
@@ -61,6 +63,7 @@ class EvictionLoop:
         self.batch_blocks = batch_blocks
         self.log = (logger or structlog.get_logger("akv")).bind(actor="eviction_loop")
         self.stats = EvictionStats()
+        self.batch_seconds = batch_seconds
         self._wake = anyio.Event()
         self._stopping = False
 
@@ -101,6 +104,8 @@ class EvictionLoop:
             self.stats.batches += 1
             self.stats.blocks += evicted
             self.stats.busy_s += elapsed
+            if self.batch_seconds is not None:
+                self.batch_seconds.observe(elapsed)
             self.log.info(
                 "eviction.batch",
                 shard=shard.state.shard_index,

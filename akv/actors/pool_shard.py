@@ -66,6 +66,7 @@ class ShardStats:
     num_sequences: int
     counters: ShardCounters
     max_inbox_depth: int
+    blocks_freed: int = 0
 
 
 class PoolShardActor(Actor):
@@ -80,6 +81,7 @@ class PoolShardActor(Actor):
         debug_invariants: Run the O(1) conservation check after every message.
         inbox_capacity: Inbox bound (messages).
         logger: structlog logger.
+        copy_bytes: Histogram (``observe(bytes)``) of each submitted copy batch.
     """
 
     def __init__(
@@ -93,6 +95,7 @@ class PoolShardActor(Actor):
         debug_invariants: bool,
         inbox_capacity: int,
         logger: Any = None,
+        copy_bytes: Any = None,
     ) -> None:
         super().__init__(f"pool_shard_{state.shard_index}", inbox_capacity, logger)
         self.log = self.log.bind(shard=state.shard_index)
@@ -102,6 +105,7 @@ class PoolShardActor(Actor):
         self.low_watermark = low_watermark
         self.wake_eviction = wake_eviction
         self.debug_invariants = debug_invariants
+        self.copy_bytes = copy_bytes
         self._pinned: list[tuple[Any, list[int]]] = []  # (ticket, source blocks)
         #: Free fraction after the last message (0.0-1.0), read by the eviction loop.
         self.free_fraction = 1.0
@@ -124,6 +128,8 @@ class PoolShardActor(Actor):
                     # a broken stream worker fails the manager.
                     raise RuntimeError(f"stream worker refused copies: {exc}") from exc
                 self._pinned.append((ticket, src + dst))
+                if self.copy_bytes is not None:
+                    self.copy_bytes.observe(getattr(ticket, "nbytes", 0))
                 self.log.debug("cow.copy", blocks=len(src), src_block_ids=src[:16], dst_block_ids=dst[:16])
             result: Any = (outcome, ticket)
         elif isinstance(msg, Validate):
@@ -200,4 +206,5 @@ class PoolShardActor(Actor):
             num_sequences=len(self.state.sequences),
             counters=ShardCounters(**{f: getattr(c, f) for f in c.__slots__}),
             max_inbox_depth=self.max_inbox_depth,
+            blocks_freed=pool.blocks_freed,
         )

@@ -15,8 +15,10 @@ The simulated engine works like vLLM's scheduler (FCFS, recompute preemption):
   ``output_length`` tokens and is freed in the next step.
 - When the pool cannot hold a decode step, the newest running sequence is
   preempted: its blocks are freed and it is re-admitted later with its prompt
-  plus the tokens generated so far (recomputation). Hit counting covers first
-  admissions only; re-admissions are counted apart.
+  plus the tokens generated so far (recomputation). The victim is freed with
+  ``step(preempted=...)`` and re-admitted with ``Admit(resumed=True)``, so the
+  manager's counters match this report: hit counting covers first admissions
+  only; re-admissions are counted apart.
 
 Exactly one ``KVCacheManager.step`` call per scheduler step.
 """
@@ -145,6 +147,7 @@ async def replay(
     admitted_once = [False] * len(requests)
     synthesized: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # tokens of waiting requests
     frees: list[str] = []
+    preempted: list[str] = []
     commits: dict[str, int] = {}
     latencies: list[float] = []
     now_ms = 0.0
@@ -156,10 +159,10 @@ async def replay(
         n = req.output_length
         return n if options.max_output_tokens is None else min(n, options.max_output_tokens)
 
-    while arrivals or waiting or running or frees:
+    while arrivals or waiting or running or frees or preempted:
         while arrivals and requests[arrivals[0]].timestamp_ms <= now_ms:
             waiting.append((arrivals.popleft(), None))
-        if not running and not waiting and not frees and arrivals:
+        if not running and not waiting and not frees and not preempted and arrivals:
             now_ms = float(requests[arrivals[0]].timestamp_ms)
             continue
 
@@ -195,18 +198,24 @@ async def replay(
             r = _Running(index, seq_id, len(prompt), out_len(req), outputs)
             if resume is not None:
                 r.generated = len(resume)
-            admits.append(Admit(seq_id=seq_id, prompt=tokens, prefill_done=True))
+            admits.append(Admit(seq_id=seq_id, prompt=tokens, prefill_done=True, resumed=resume is not None))
             pending.append((index, resume, r))
             budget -= len(tokens)
             slots -= 1
 
         t0 = time.perf_counter()
         result = await kv.step(
-            frees=frees, commits=commits, appends=appends, admits=admits, want_metadata=options.want_metadata
+            frees=frees,
+            preempted=preempted,
+            commits=commits,
+            appends=appends,
+            admits=admits,
+            want_metadata=options.want_metadata,
         )
         latencies.append(time.perf_counter() - t0)
         report.decode_steps += 1
         frees = []
+        preempted = []
         commits = {}
 
         for seq_id in appends:
@@ -246,7 +255,7 @@ async def replay(
             victim = order.pop()
             r = running.pop(victim)
             commits.pop(victim, None)
-            frees.append(victim)
+            preempted.append(victim)
             report.preemptions += 1
             waiting.appendleft((r.index, r.outputs[: r.generated].copy()))
             short -= 1
