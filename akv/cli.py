@@ -63,6 +63,13 @@ def _build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--log-json", type=Path, help="write structured logs as JSON lines to this path")
     rp.add_argument("--log-level", default="warning", help="console log level (default warning)")
     rp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    rp.add_argument(
+        "--metrics-out", type=Path, help="write the final metrics in the Prometheus text format to this path"
+    )
+    rp.add_argument(
+        "--metrics-port", type=int, help="serve the metrics on http://ADDR:PORT/metrics during the run (0: any port)"
+    )
+    rp.add_argument("--metrics-addr", default="127.0.0.1", help="address of --metrics-port (default 127.0.0.1)")
 
     from akv.stress import register as register_stress
 
@@ -118,14 +125,28 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         want_metadata=config.storage != "none",
     )
 
+    from contextlib import nullcontext
+
+    from akv.obs.export import serve_metrics, write_metrics
+
+    kv = KVCacheManager(config)
+
     async def run() -> object:
-        async with KVCacheManager(config) as kv:
+        async with kv:
             from akv.replay.report import progress_bar
 
             with progress_bar(len(requests), enabled=not args.no_progress) as progress:
                 return await replay(kv, requests, options, progress=progress)
 
-    report = anyio.run(run)
+    serving = (
+        serve_metrics(kv.metrics_registry, args.metrics_port, addr=args.metrics_addr)
+        if args.metrics_port is not None
+        else nullcontext()
+    )
+    with serving:
+        report = anyio.run(run)
+    if args.metrics_out is not None:
+        write_metrics(kv.metrics_registry, args.metrics_out)
     print_summary(report, config, path)
     if args.json_path is not None:
         data = report.as_json()

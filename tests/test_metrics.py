@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import json
+import random
+import urllib.request
+from pathlib import Path
+
+import anyio
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from akv import KVCacheConfig, KVCacheManager
+from akv.cli import main
+from akv.obs.export import serve_metrics
 from akv.replay import ReplayOptions, replay
-from tests.test_replay import BLOCK, TRACE_BLOCK, synthetic_requests
+from tests.test_replay import BLOCK, TRACE_BLOCK, restore_logging, synthetic_requests
+
+__all__ = ["restore_logging"]  # the fixture, imported for its use here
 
 
 def scrape(registry) -> dict[tuple[str, tuple], float]:
@@ -126,3 +136,53 @@ async def test_two_managers_do_not_collide(tiny_config) -> None:
         assert value(a, "akv_blocks_allocated_total") == 3
         assert value(b, "akv_blocks_allocated_total") == 0
         assert value(b, "akv_blocks", state="free") == 32
+
+
+# ---------------------------------------------------------------------- CLI
+def write_tight_trace(path: Path, n: int = 40) -> None:
+    """Requests of 2-3 trace blocks (512 tokens) sharing their first block: evictions and preemptions in 200 blocks."""
+    rng = random.Random(1)
+    lines = []
+    for i in range(n):
+        length = rng.randint(600, 1400)
+        ids = [rng.choice([0, 1]), *(1000 + 10 * i + j for j in range(1, -(-length // 512)))]
+        lines.append(json.dumps({"timestamp": 10 * i, "input_length": length, "output_length": 40, "hash_ids": ids}))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_cli_metrics_out_agrees_with_the_json_report(tmp_path: Path, restore_logging) -> None:
+    trace, report_path, metrics_path = tmp_path / "t.jsonl", tmp_path / "r.json", tmp_path / "m.txt"
+    write_tight_trace(trace)
+    argv = ["replay", str(trace), "--num-blocks", "200", "--storage", "none", "--no-progress"]
+    argv += ["--json", str(report_path), "--metrics-out", str(metrics_path), "--metrics-port", "0"]
+    assert main(argv) == 0
+    data = json.loads(report_path.read_text())
+    samples = {}
+    for family in text_string_to_metric_families(metrics_path.read_text()):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    assert data["preemptions"] > 0 and data["evictions"] > 0  # not vacuous
+    assert value(samples, "akv_preemptions_total") == data["preemptions"]
+    assert value(samples, "akv_evictions_total") == data["evictions"]
+    assert value(samples, "akv_cow_copies_total") == data["cow_copies"]
+    assert value(samples, "akv_prefix_cache_queries_tokens_total") == data["prompt_tokens"]
+    assert value(samples, "akv_prefix_cache_hits_tokens_total") == data["cached_tokens"]
+    assert value(samples, "akv_prefix_cache_resumed_queries_tokens_total") == data["readmit_prompt_tokens"]
+    assert value(samples, "akv_prefix_cache_resumed_hits_tokens_total") == data["readmit_cached_tokens"]
+    assert value(samples, "akv_step_latency_seconds_count") == data["decode_steps"]
+    assert value(samples, "akv_blocks", state="active") == 0
+
+
+@pytest.mark.anyio
+async def test_served_metrics_parse_and_agree_with_stats(tiny_config) -> None:
+    async with KVCacheManager(tiny_config()) as kv:
+        await kv.add_sequence("a", list(range(1, 10)))
+        stats = await kv.stats()
+        with serve_metrics(kv.metrics_registry, 0) as port:
+            url = f"http://127.0.0.1:{port}/metrics"
+            text = await anyio.to_thread.run_sync(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    assert_agrees(samples, stats)
