@@ -24,6 +24,7 @@ from akv.actors.runtime import Actor
 from akv.core.shard_state import ShardCounters, ShardState, TreeGen
 from akv.core.step import StepOutcome
 from akv.errors import AkvError
+from akv.obs.tracing import AkvTracer
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -82,6 +83,7 @@ class PoolShardActor(Actor):
         inbox_capacity: Inbox bound (messages).
         logger: structlog logger.
         copy_bytes: Histogram (``observe(bytes)``) of each submitted copy batch.
+        tracer: :class:`~akv.obs.tracing.AkvTracer` (default: the global provider's).
     """
 
     def __init__(
@@ -96,6 +98,7 @@ class PoolShardActor(Actor):
         inbox_capacity: int,
         logger: Any = None,
         copy_bytes: Any = None,
+        tracer: Any = None,
     ) -> None:
         super().__init__(f"pool_shard_{state.shard_index}", inbox_capacity, logger)
         self.log = self.log.bind(shard=state.shard_index)
@@ -106,6 +109,7 @@ class PoolShardActor(Actor):
         self.wake_eviction = wake_eviction
         self.debug_invariants = debug_invariants
         self.copy_bytes = copy_bytes
+        self.tracer = tracer or AkvTracer()
         self._pinned: list[tuple[Any, list[int]]] = []  # (ticket, source blocks)
         #: Free fraction after the last message (0.0-1.0), read by the eviction loop.
         self.free_fraction = 1.0
@@ -116,21 +120,21 @@ class PoolShardActor(Actor):
         """Serve :class:`Step`, :class:`Evict`, :class:`Inspect`, :class:`Stats` or :class:`Check`."""
         self._settle_copies()
         if isinstance(msg, Step):
-            outcome: StepOutcome = await self._drive(self.state.step(msg.request))
-            ticket = None
-            if outcome.copies:
-                src = [s for s, _ in outcome.copies]
-                dst = [d for _, d in outcome.copies]
-                try:
-                    ticket = self.copy_executor.submit(src, dst)
-                except AkvError as exc:
-                    # The step is applied and cannot be taken back without its copies:
-                    # a broken stream worker fails the manager.
-                    raise RuntimeError(f"stream worker refused copies: {exc}") from exc
-                self._pinned.append((ticket, src + dst))
-                if self.copy_bytes is not None:
-                    self.copy_bytes.observe(getattr(ticket, "nbytes", 0))
-                self.log.debug("cow.copy", blocks=len(src), src_block_ids=src[:16], dst_block_ids=dst[:16])
+            with self.tracer.span("akv.shard_step", context=msg.context) as span:
+                allocated = self.state.counters.blocks_allocated
+                outcome: StepOutcome = await self._drive(self.state.step(msg.request))
+                ticket = self._submit_copies(outcome) if outcome.copies else None
+                if span.is_recording():
+                    span.set_attributes(
+                        {
+                            "akv.shard": self.state.shard_index,
+                            "akv.blocks_allocated": self.state.counters.blocks_allocated - allocated,
+                            "akv.evicted_blocks": outcome.evicted_blocks,
+                            "akv.scheduled": len(outcome.seq_ids),
+                            "akv.rejected": len(outcome.rejected),
+                            "akv.free_blocks": self.state.pool.num_free,
+                        }
+                    )
             result: Any = (outcome, ticket)
         elif isinstance(msg, Validate):
             self.state.validate(msg.request)
@@ -150,6 +154,26 @@ class PoolShardActor(Actor):
             raise TypeError(f"{self.name}: unknown message {type(msg).__name__}")
         self._after()
         return result
+
+    def _submit_copies(self, outcome: StepOutcome) -> Any:
+        """Submit a step's copy-on-write pairs to the stream worker; pin their blocks until they ran."""
+        src = [s for s, _ in outcome.copies]
+        dst = [d for _, d in outcome.copies]
+        with self.tracer.span("akv.copy_blocks") as span:
+            try:
+                ticket = self.copy_executor.submit(src, dst)
+            except AkvError as exc:
+                # The step is applied and cannot be taken back without its copies:
+                # a broken stream worker fails the manager.
+                raise RuntimeError(f"stream worker refused copies: {exc}") from exc
+            nbytes = getattr(ticket, "nbytes", 0)
+            if span.is_recording():
+                span.set_attributes({"akv.shard": self.state.shard_index, "akv.blocks": len(src), "akv.bytes": nbytes})
+        self._pinned.append((ticket, src + dst))
+        if self.copy_bytes is not None:
+            self.copy_bytes.observe(nbytes)
+        self.log.debug("cow.copy", blocks=len(src), src_block_ids=src[:16], dst_block_ids=dst[:16])
+        return ticket
 
     async def _drive(self, gen: TreeGen) -> Any:
         try:
