@@ -22,8 +22,8 @@ from akv.actors.messages import Check, Evict, Inspect, Stats, Step, Validate
 from akv.actors.prefix_tree import PrefixTreeActor
 from akv.actors.runtime import Actor
 from akv.core.shard_state import ShardCounters, ShardState, TreeGen
-from akv.core.step import StepOutcome
-from akv.errors import AkvError
+from akv.core.step import StepOutcome, StepRequest
+from akv.errors import AkvError, PoolExhausted
 from akv.obs.tracing import AkvTracer
 
 
@@ -135,6 +135,7 @@ class PoolShardActor(Actor):
                             "akv.free_blocks": self.state.pool.num_free,
                         }
                     )
+            self._log_step(msg.request, outcome)
             result: Any = (outcome, ticket)
         elif isinstance(msg, Validate):
             self.state.validate(msg.request)
@@ -172,8 +173,51 @@ class PoolShardActor(Actor):
         self._pinned.append((ticket, src + dst))
         if self.copy_bytes is not None:
             self.copy_bytes.observe(nbytes)
-        self.log.debug("cow.copy", blocks=len(src), src_block_ids=src[:16], dst_block_ids=dst[:16])
+        self.log.debug(
+            "cow.copy",
+            blocks=len(src),
+            seq_ids=outcome.copy_seq_ids[:16],
+            src_block_ids=src[:16],
+            dst_block_ids=dst[:16],
+        )
         return ticket
+
+    def _log_step(self, request: StepRequest, outcome: StepOutcome) -> None:
+        """Debug events of one step, each carrying the sequence that caused it (see docs/logging.md)."""
+        log, seqs = self.log, self.state.sequences
+        for seq_id in outcome.freed:
+            log.debug("sequence.freed", seq_id=seq_id, preempted=seq_id in request.preempted)
+        for parent_id, child_ids in request.forks:
+            parent = seqs.get(parent_id)
+            blocks = len(parent.block_ids) if parent is not None else None
+            log.debug("sequence.forked", seq_id=parent_id, child_ids=list(child_ids), shared_blocks=blocks)
+        for adm in request.admits:
+            if adm.seq_id in outcome.cached_tokens:
+                seq = seqs[adm.seq_id]
+                log.debug(
+                    "sequence.added",
+                    seq_id=adm.seq_id,
+                    prompt_tokens=len(adm.prompt),
+                    cached_tokens=outcome.cached_tokens[adm.seq_id],
+                    blocks=len(seq.block_ids),
+                    resumed=adm.resumed,
+                )
+        for seq_id, err in outcome.rejected.items():
+            if isinstance(err, PoolExhausted):
+                log.debug(
+                    "pool.exhausted",
+                    seq_id=seq_id,
+                    requested_blocks=err.requested_blocks,
+                    free_blocks=err.free_blocks,
+                    evictable_blocks=err.evictable_blocks,
+                )
+            else:
+                log.info(
+                    "request.too_large",
+                    seq_id=seq_id,
+                    requested_blocks=err.requested_blocks,
+                    num_blocks=err.num_blocks,
+                )
 
     async def _drive(self, gen: TreeGen) -> Any:
         try:

@@ -239,6 +239,7 @@ class ShardState:
                 pool.pin_for_copy((old, new))  # neither may be reused before the copy ran
                 pool.decref((old,))
                 out.copies.append((old, new))
+                out.copy_seq_ids.append(seq_id)
                 self.counters.cow_copies += 1
                 need -= 1
             if need:

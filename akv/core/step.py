@@ -91,6 +91,7 @@ class StepOutcome:
             were not applied; their state is unchanged.
         copies: ``(src_block_id, dst_block_id)`` copy-on-write pairs to run
             before the runner writes or reads this step's blocks.
+        copy_seq_ids: The sequence whose append caused each pair of ``copies``.
         freed: Sequence ids actually freed (known ones).
         evicted_blocks: Blocks evicted on demand during this step.
     """
@@ -103,5 +104,6 @@ class StepOutcome:
     cached_tokens: dict = field(default_factory=dict)
     rejected: dict = field(default_factory=dict)
     copies: list = field(default_factory=list)
+    copy_seq_ids: list = field(default_factory=list)
     freed: list = field(default_factory=list)
     evicted_blocks: int = 0

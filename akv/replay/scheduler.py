@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import structlog
 
 from akv.core.step import Admit
 from akv.errors import PoolExhausted, RequestTooLarge
@@ -291,4 +292,12 @@ async def replay(
             "max": round(float(lat.max()), 1),
             "mean": round(float(lat.mean()), 1),
         }
+    # The canonical line of a replay (nothing per step or per token at info).
+    structlog.get_logger("akv").info(
+        "replay.finished",
+        component="replay",
+        **{k: v for k, v in report.as_json().items() if k != "step_latency_us"},
+        step_latency_p50_us=report.step_latency_us.get("p50"),
+        step_latency_p99_us=report.step_latency_us.get("p99"),
+    )
     return report
