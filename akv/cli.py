@@ -69,6 +69,9 @@ def _build_parser() -> argparse.ArgumentParser:
     rp.add_argument(
         "--metrics-port", type=int, help="serve the metrics on http://ADDR:PORT/metrics during the run (0: any port)"
     )
+    rp.add_argument(
+        "--plot", type=Path, help="write a PNG: pool by state, hit rate, evictions, preemptions (needs matplotlib)"
+    )
     rp.add_argument("--metrics-addr", default="127.0.0.1", help="address of --metrics-port (default 127.0.0.1)")
 
     ip = sub.add_parser(
@@ -136,6 +139,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         max_output_tokens=args.max_output_tokens,
         seed=args.seed,
         want_metadata=config.storage != "none",
+        timeline_every_steps=10 if args.plot is not None else 0,
     )
 
     from contextlib import nullcontext
@@ -160,6 +164,10 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         report = anyio.run(run)
     if args.metrics_out is not None:
         write_metrics(kv.metrics_registry, args.metrics_out)
+    if args.plot is not None:
+        from akv.obs.plot import plot_replay
+
+        plot_replay(report.timeline, args.plot)
     print_summary(report, config, path)
     if args.json_path is not None:
         data = report.as_json()

@@ -50,3 +50,30 @@ def test_inspect_summarizes_a_replay_log(tmp_path: Path, restore_logging, capsys
     assert main(["inspect", str(log)]) == 0
     assert "eviction bursts" in capsys.readouterr().out
     assert main(["inspect", str(log), "--seq", "no-such-sequence"]) == 1
+
+
+def test_replay_plot_writes_a_png_of_the_timeline(tmp_path: Path, restore_logging) -> None:
+    trace, png = tmp_path / "t.jsonl", tmp_path / "replay.png"
+    write_tight_trace(trace, n=20)
+    assert main(["replay", str(trace), "--num-blocks", "200", "--storage", "none", "--no-progress", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_replay_timeline_samples_stats() -> None:
+    import anyio
+
+    from akv import KVCacheConfig, KVCacheManager
+    from akv.replay import ReplayOptions, replay
+    from tests.test_replay import BLOCK, TRACE_BLOCK, synthetic_requests
+
+    async def run():
+        async with KVCacheManager(KVCacheConfig(num_blocks=48, block_size=BLOCK)) as kv:
+            options = ReplayOptions(max_batch=16, trace_block_tokens=TRACE_BLOCK, timeline_every_steps=5)
+            return await replay(kv, synthetic_requests(30), options)
+
+    report = anyio.run(run)
+    assert len(report.timeline) == report.decode_steps // 5
+    assert all(sum(x[s] for s in ("free", "active", "cached", "in_flight")) == 48 for x in report.timeline)
+    times = [x["simulated_s"] for x in report.timeline]
+    assert times == sorted(times)
+    assert "timeline" not in report.as_json()

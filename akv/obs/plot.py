@@ -44,3 +44,35 @@ def plot_log(log: LogFile, path: Path | str) -> int:
     ax_evicted.set_xlabel("wall time since the first batch (s)")
     fig.savefig(path, dpi=100)
     return len(times) // 2
+
+
+def plot_replay(timeline: list[dict], path: Path | str) -> None:
+    """Write a PNG of a replay over simulated time: blocks by state, hit rate, evictions and preemptions.
+
+    Args:
+        timeline: ``ReplayReport.timeline`` samples (``ReplayOptions.timeline_every_steps``).
+        path: PNG to write.
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install akv[plot]``).
+    """
+    from matplotlib.figure import Figure
+
+    t = [x["simulated_s"] for x in timeline]
+    fig = Figure(figsize=(9, 8), layout="constrained")
+    ax_blocks, ax_hits, ax_events = fig.subplots(3, 1, sharex=True)
+    states = ("active", "in_flight", "cached", "free")
+    ax_blocks.stackplot(t, *[[x[s] for x in timeline] for s in states], labels=states)
+    ax_blocks.set_ylabel("blocks")
+    ax_blocks.legend(loc="upper right", fontsize="small")
+    ax_blocks.set_title("pool by state")
+    ax_hits.plot(t, [x["hit_rate"] for x in timeline], color="tab:green")
+    ax_hits.set_ylabel("prefix hit rate (cumulative)")
+    ax_hits.set_ylim(0, 1)
+    ax_events.plot(t, [x["evictions"] for x in timeline], color="tab:red", label="evicted blocks")
+    ax_events.set_ylabel("evicted blocks")
+    ax_pre = ax_events.twinx()
+    ax_pre.plot(t, [x["preemptions"] for x in timeline], color="tab:purple", label="preemptions")
+    ax_pre.set_ylabel("preemptions")
+    ax_events.set_xlabel("simulated time (s)")
+    fig.savefig(path, dpi=100)

@@ -54,6 +54,8 @@ class ReplayOptions:
         want_metadata: Build block tables and slot mappings every step, as a
             model runner would need (``akv replay`` turns it off in metadata
             mode, where no runner reads them).
+        timeline_every_steps: Sample ``kv.stats()`` into ``report.timeline``
+            every this many steps (0: no timeline; ``akv replay --plot``).
     """
 
     max_batch: int = 256
@@ -63,8 +65,11 @@ class ReplayOptions:
     trace_block_tokens: int = 512
     seed: int = 0
     want_metadata: bool = True
+    timeline_every_steps: int = 0
 
     def __post_init__(self) -> None:
+        if self.timeline_every_steps < 0:
+            raise ValueError("timeline_every_steps must be >= 0")
         if self.max_batch < 1 or self.step_ms <= 0 or self.max_prefill_tokens < 1:
             raise ValueError("max_batch, step_ms and max_prefill_tokens must be positive")
         if self.max_output_tokens is not None and self.max_output_tokens < 0:
@@ -97,10 +102,13 @@ class ReplayReport:
     wall_s: float = 0.0
     step_latency_us: dict = field(default_factory=dict)
     cached_tokens_per_request: list = field(default_factory=list)
+    #: Samples of (simulated_s, blocks per state, hit rate, evictions, preemptions),
+    #: when ``ReplayOptions.timeline_every_steps`` is set.
+    timeline: list = field(default_factory=list)
 
     def as_json(self) -> dict:
-        """The report as JSON-ready data (without the per-request list)."""
-        out = {f: getattr(self, f) for f in self.__slots__ if f != "cached_tokens_per_request"}
+        """The report as JSON-ready data (without the per-request list and the timeline)."""
+        out = {f: getattr(self, f) for f in self.__slots__ if f not in ("cached_tokens_per_request", "timeline")}
         return out
 
 
@@ -115,6 +123,19 @@ class _Running:
         self.generated = 0
         self.outputs = outputs
         self.admitted_at = 0
+
+
+def _sample(now_ms: float, stats) -> dict:
+    return {
+        "simulated_s": now_ms / 1000.0,
+        "free": stats.free,
+        "active": stats.active,
+        "cached": stats.cached,
+        "in_flight": stats.in_flight,
+        "hit_rate": stats.hit_rate,
+        "evictions": stats.blocks_evicted,
+        "preemptions": stats.preemptions,
+    }
 
 
 async def replay(
@@ -271,6 +292,8 @@ async def replay(
 
         report.peak_blocks_in_use = max(report.peak_blocks_in_use, kv.blocks_in_use)
         report.peak_running = max(report.peak_running, len(running))
+        if options.timeline_every_steps and report.decode_steps % options.timeline_every_steps == 0:
+            report.timeline.append(_sample(now_ms, await kv.stats()))
         now_ms += options.step_ms
         if progress is not None and time.perf_counter() >= next_progress:
             progress(done, len(requests))
