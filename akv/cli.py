@@ -63,6 +63,29 @@ def _build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--log-json", type=Path, help="write structured logs as JSON lines to this path")
     rp.add_argument("--log-level", default="warning", help="console log level (default warning)")
     rp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    rp.add_argument(
+        "--metrics-out", type=Path, help="write the final metrics in the Prometheus text format to this path"
+    )
+    rp.add_argument(
+        "--metrics-port", type=int, help="serve the metrics on http://ADDR:PORT/metrics during the run (0: any port)"
+    )
+    rp.add_argument(
+        "--plot", type=Path, help="write a PNG: pool by state, hit rate, evictions, preemptions (needs matplotlib)"
+    )
+    rp.add_argument("--metrics-addr", default="127.0.0.1", help="address of --metrics-port (default 127.0.0.1)")
+
+    ip = sub.add_parser(
+        "inspect",
+        help="summarize a JSON-lines log written with --log-json",
+        description=(
+            "Summarize a JSON-lines log: events by name and level, errors with their sequences, "
+            "eviction bursts; --seq ID prints one sequence's history; --plot PATH draws the timeline."
+        ),
+    )
+    ip.add_argument("logfile", type=Path, help="JSON-lines log (a truncated last line is skipped)")
+    ip.add_argument("--seq", help="print every event naming this sequence id")
+    ip.add_argument("--plot", type=Path, help="write a PNG timeline of the eviction batches (needs matplotlib)")
+    ip.add_argument("--json", action="store_true", dest="as_json", help="print the summary as JSON")
 
     from akv.generate import register as register_generate
     from akv.stress import register as register_stress
@@ -118,16 +141,35 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         max_output_tokens=args.max_output_tokens,
         seed=args.seed,
         want_metadata=config.storage != "none",
+        timeline_every_steps=10 if args.plot is not None else 0,
     )
 
+    from contextlib import nullcontext
+
+    from akv.obs.export import serve_metrics, write_metrics
+
+    kv = KVCacheManager(config)
+
     async def run() -> object:
-        async with KVCacheManager(config) as kv:
+        async with kv:
             from akv.replay.report import progress_bar
 
             with progress_bar(len(requests), enabled=not args.no_progress) as progress:
                 return await replay(kv, requests, options, progress=progress)
 
-    report = anyio.run(run)
+    serving = (
+        serve_metrics(kv.metrics_registry, args.metrics_port, addr=args.metrics_addr)
+        if args.metrics_port is not None
+        else nullcontext()
+    )
+    with serving:
+        report = anyio.run(run)
+    if args.metrics_out is not None:
+        write_metrics(kv.metrics_registry, args.metrics_out)
+    if args.plot is not None:
+        from akv.obs.plot import plot_replay
+
+        plot_replay(report.timeline, args.plot)
     print_summary(report, config, path)
     if args.json_path is not None:
         data = report.as_json()
@@ -142,14 +184,58 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from akv.obs.inspect import eviction_bursts, read_log, sequence_history, summarize
+
+    log = read_log(args.logfile)
+    if args.seq is not None:
+        history = sequence_history(log, args.seq)
+        for event in history:
+            print(json.dumps(event, default=str))
+        if not history:
+            print(f"akv: no event names sequence {args.seq!r}", file=sys.stderr)
+            return 1
+        return 0
+    summary = summarize(log)
+    bursts = eviction_bursts(log)
+    if args.plot is not None:
+        from akv.obs.plot import plot_log
+
+        plot_log(log, args.plot)
+    if args.as_json:
+        print(json.dumps({**summary, "eviction_bursts": bursts}, indent=2, default=str))
+        return 0
+    print(f"{args.logfile}: {len(log.events)} events, {len(log.bad_lines)} unreadable lines {log.bad_lines[:5]}")
+    print("by level: " + ", ".join(f"{k}={v}" for k, v in summary["levels"].items()))
+    print("by event:")
+    for name, n in summary["events"].items():
+        print(f"  {n:>8}  {name}")
+    print(f"errors: {len(summary['errors'])}")
+    for event in summary["errors"][:20]:
+        who = event.get("seq_id") or event.get("actor") or ""
+        print(f"  {event.get('timestamp', '?')}  {event['event']}  {who}  {event.get('error', '')}")
+    print(f"eviction bursts: {len(bursts)}")
+    for b in bursts[:20]:
+        print(
+            f"  {b['start']}  {b['batches']} batches, {b['blocks']} blocks in {b['duration_s']} s, "
+            f"usage {b['usage_before']} -> {b['usage_after']}, shards {b['shards']}"
+        )
+    for run in summary["runs"]:
+        keys = ("requests_finished", "hit_rate", "preemptions", "evictions", "ok", "operations")
+        print(f"{run['event']}: " + ", ".join(f"{k}={run[k]}" for k in keys if k in run))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``akv`` command. Returns the exit code (0 ok, 2 bad input)."""
     parser = _build_parser()
     args = parser.parse_args(argv)
     try:
-        _configure_logging(args.log_level, getattr(args, "log_json", None))
+        _configure_logging(getattr(args, "log_level", "warning"), getattr(args, "log_json", None))
         if args.command == "replay":
             return _cmd_replay(args)
+        if args.command == "inspect":
+            return _cmd_inspect(args)
         if args.command == "stress":
             from akv.stress import main_stress
 

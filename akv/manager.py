@@ -18,6 +18,7 @@ so a cancelled caller never leaves a half-applied operation; cleaning up by id
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -38,6 +39,8 @@ from akv.core.shard_state import ShardState
 from akv.core.step import Admit, StepOutcome, StepRequest
 from akv.core.tokens import as_token_array
 from akv.errors import ActorCrashed, DuplicateSequence, InvalidInput, InvalidTokens, ManagerClosed, UnknownSequence
+from akv.obs.metrics import ManagerMetrics, MetricsSnapshot
+from akv.obs.tracing import AkvTracer
 from akv.results import NO_COPIES, CacheStats, CopyCompletion, StepResult
 from akv.storage import CopyExecutor, KVStorage
 
@@ -55,6 +58,9 @@ class KVCacheManager:
         config: Pool size, block size, model shape, storage and policies.
         logger: structlog logger to bind context on (default
             ``structlog.get_logger("akv")``). akv never configures logging.
+        tracer_provider: OpenTelemetry ``TracerProvider`` for akv's spans
+            (default: the global one as set when the manager is entered; spans
+            are nearly free while none is set).
 
     Raises:
         ActorCrashed: From any call, and from ``__aexit__``, once an actor has
@@ -62,7 +68,7 @@ class KVCacheManager:
         ManagerClosed: A call outside ``async with`` or after exit.
     """
 
-    def __init__(self, config: KVCacheConfig, *, logger: Any = None) -> None:
+    def __init__(self, config: KVCacheConfig, *, logger: Any = None, tracer_provider: Any = None) -> None:
         if not isinstance(config, KVCacheConfig):
             raise InvalidInput(f"config must be a KVCacheConfig, got {type(config).__name__}")
         self.config = config
@@ -79,12 +85,16 @@ class KVCacheManager:
         self._sharded_lock = anyio.Lock()
         self._shards: list[PoolShardActor] = []
         self._actors: list[Actor] = []
+        self._metrics = ManagerMetrics(self._metrics_snapshot)
+        self._tracer_provider = tracer_provider
+        self._tracer = AkvTracer(tracer_provider)
 
     # ------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> KVCacheManager:
         if self._phase != "new":
             raise ManagerClosed("a KVCacheManager can only be entered once; create a new one")
         cfg = self.config
+        self._tracer = AkvTracer(self._tracer_provider)  # picks up a global provider set since __init__
         self.storage = KVStorage.from_config(cfg)
         self._executor = CopyExecutor(self.storage)
         self._executor.on_failure = self._on_copy_failure
@@ -95,6 +105,8 @@ class KVCacheManager:
             high_watermark=cfg.high_watermark,
             batch_blocks=cfg.eviction_batch_blocks,
             logger=self._logger,
+            batch_seconds=self._metrics.eviction_batch_s,
+            tracer=self._tracer,
         )
         for index, block_ids in enumerate(cfg.shard_ranges()):
             state = ShardState(index, block_ids, cfg.block_size, enable_prefix_cache=cfg.enable_prefix_cache)
@@ -108,6 +120,8 @@ class KVCacheManager:
                     debug_invariants=cfg.debug_invariants,
                     inbox_capacity=cfg.inbox_capacity,
                     logger=self._logger,
+                    copy_bytes=self._metrics.copy_bytes,
+                    tracer=self._tracer,
                 )
             )
         self._actors: list[Actor] = [self._tree, *self._shards]
@@ -217,6 +231,7 @@ class KVCacheManager:
         self,
         *,
         frees: Iterable[Hashable] = (),
+        preempted: Iterable[Hashable] = (),
         commits: Mapping[Hashable, int] | None = None,
         forks: Iterable[tuple[Hashable, Sequence[Hashable]]] = (),
         appends: Mapping[Hashable, Any] | None = None,
@@ -231,6 +246,9 @@ class KVCacheManager:
 
         Args:
             frees: Sequence ids to free (unknown ids are ignored).
+            preempted: Sequence ids to free as preemptions (the scheduler will
+                re-admit them, with ``Admit(resumed=True)``); freed like
+                ``frees`` and counted in ``CacheStats.preemptions``.
             commits: Id -> number of tokens whose K/V the runner has written
                 since the last commit. Committed full blocks are published to
                 the prefix cache.
@@ -252,6 +270,45 @@ class KVCacheManager:
             ActorCrashed, ManagerClosed: The manager is not running.
         """
         self._check_running()
+        with self._tracer.span("akv.step") as span:
+            t0 = time.perf_counter()
+            result = await self._step(
+                span,
+                frees=frees,
+                preempted=preempted,
+                commits=commits,
+                forks=forks,
+                appends=appends,
+                admits=admits,
+                want_metadata=want_metadata,
+            )
+            self._metrics.step_latency_s.observe(time.perf_counter() - t0)
+            if span.is_recording():
+                span.set_attributes(
+                    {
+                        "akv.scheduled": len(result.seq_ids),
+                        "akv.rejected": len(result.rejected),
+                        "akv.freed": len(result.freed),
+                        "akv.evicted_blocks": result.evicted_blocks,
+                        "akv.copy_blocks": sum(t.num_blocks for t in result.copies.tickets),
+                        "akv.copy_bytes": result.copies.nbytes,
+                    }
+                )
+            return result
+
+    async def _step(
+        self,
+        span: Any,
+        *,
+        frees: Iterable[Hashable],
+        preempted: Iterable[Hashable],
+        commits: Mapping[Hashable, int] | None,
+        forks: Iterable[tuple[Hashable, Sequence[Hashable]]],
+        appends: Mapping[Hashable, Any] | None,
+        admits: Iterable[Admit],
+        want_metadata: bool,
+    ) -> StepResult:
+        """Validate and convert the step's input, then ask the shard(s) (see :meth:`step`)."""
         vocab = self.config.vocab_size
         appends_arr: dict[Hashable, Any] = {}
         for seq_id, tokens in (appends or {}).items():
@@ -268,18 +325,31 @@ class KVCacheManager:
             prompt = as_token_array(adm.prompt, vocab, what=f"prompt of {adm.seq_id!r}")
             admits_arr.append(dataclasses.replace(adm, prompt=prompt))
         forks = [(parent, tuple(children)) for parent, children in forks]
+        preempted = frozenset(preempted)
         request = StepRequest(
-            frees=tuple(frees),
+            frees=(*frees, *preempted),
+            preempted=preempted,
             commits=dict(commits or {}),
             forks=forks,
             appends=appends_arr,
             admits=admits_arr,
             want_metadata=want_metadata,
         )
+        if span.is_recording():
+            span.set_attributes(
+                {
+                    "akv.frees": len(request.frees),
+                    "akv.preempted": len(preempted),
+                    "akv.commits": len(request.commits),
+                    "akv.forks": len(request.forks),
+                    "akv.appends": len(request.appends),
+                    "akv.admits": len(request.admits),
+                }
+            )
         if len(self._shards) == 1:
             self._check_running()
             with anyio.CancelScope(shield=True):
-                outcome, ticket = await self._shards[0].ask(Step(request))
+                outcome, ticket = await self._shards[0].ask(Step(request, self._tracer.context()))
                 self._track(ticket)
             await anyio.lowlevel.checkpoint_if_cancelled()
             return self._result([outcome], [ticket] if ticket is not None else [])
@@ -296,7 +366,7 @@ class KVCacheManager:
             parts: dict[int, dict[str, Any]] = {}
 
             def part(shard: int) -> dict[str, Any]:
-                return parts.setdefault(shard, {"frees": [], "commits": {}, "forks": [], "appends": {}, "admits": []})
+                return parts.setdefault(shard, {"frees": [], "preempted": frozenset(), "commits": {}, "forks": [], "appends": {}, "admits": []})
 
             def where(seq_id: Hashable) -> int:
                 try:
@@ -308,6 +378,8 @@ class KVCacheManager:
             for seq_id in request.frees:
                 if seq_id in route:
                     part(route[seq_id])["frees"].append(seq_id)
+            for fields in parts.values():
+                fields["preempted"] = frozenset(s for s in fields["frees"] if s in request.preempted)
             for seq_id, n in request.commits.items():
                 part(where(seq_id))["commits"][seq_id] = n
             children: dict[Hashable, int] = {}
@@ -331,13 +403,14 @@ class KVCacheManager:
                 free_now[shard] -= len(adm.prompt) / (self.config.block_size * self._shards[shard].state.pool.num_blocks)
                 part(shard)["admits"].append(adm)
             subs = {shard: StepRequest(**fields, want_metadata=request.want_metadata) for shard, fields in parts.items()}
+            context = self._tracer.context()
             self._check_running()
             outcomes, tickets = [], []
             with anyio.CancelScope(shield=True):  # all shards' parts, or none
                 for shard, sub in sorted(subs.items()):
                     await self._shards[shard].ask(Validate(sub))
                 for shard, sub in sorted(subs.items()):
-                    outcome, ticket = await self._shards[shard].ask(Step(sub))
+                    outcome, ticket = await self._shards[shard].ask(Step(sub, context))
                     self._track(ticket)
                     outcomes.append((shard, outcome))
                     if ticket is not None:
@@ -444,10 +517,14 @@ class KVCacheManager:
             PoolExhausted: Transient: not enough free plus evictable blocks now.
             RequestTooLarge: Permanent: more blocks than the shard holds.
         """
-        result = await self.step(admits=[Admit(seq_id=seq_id, prompt=prompt, namespace=namespace)], want_metadata=False)
-        if seq_id in result.rejected:
-            raise result.rejected[seq_id]
-        return result.cached_tokens[seq_id]
+        with self._tracer.span("akv.add_sequence", attributes={"akv.seq_id": str(seq_id)}) as span:
+            result = await self.step(
+                admits=[Admit(seq_id=seq_id, prompt=prompt, namespace=namespace)], want_metadata=False
+            )
+            if seq_id in result.rejected:
+                raise result.rejected[seq_id]
+            span.set_attribute("akv.cached_tokens", result.cached_tokens[seq_id])
+            return result.cached_tokens[seq_id]
 
     async def append(self, seq_id: Hashable, token_ids: Any) -> StepResult:
         """Append tokens to a sequence (copy-on-write of a shared partial tail first).
@@ -459,7 +536,8 @@ class KVCacheManager:
         Raises:
             UnknownSequence, InvalidTokens, PoolExhausted, RequestTooLarge.
         """
-        result = await self.step(appends={seq_id: token_ids})
+        with self._tracer.span("akv.append", attributes={"akv.seq_id": str(seq_id)}):
+            result = await self.step(appends={seq_id: token_ids})
         if seq_id in result.rejected:
             raise result.rejected[seq_id]
         return result
@@ -471,7 +549,8 @@ class KVCacheManager:
             UnknownSequence: Not live.
             InvalidInput: More tokens than appended and not yet committed.
         """
-        await self.step(commits={seq_id: num_tokens}, want_metadata=False)
+        with self._tracer.span("akv.commit", attributes={"akv.seq_id": str(seq_id)}):
+            await self.step(commits={seq_id: num_tokens}, want_metadata=False)
 
     async def fork(self, seq_id: Hashable, child_ids: Sequence[Hashable]) -> None:
         """Fork ``seq_id`` into each of ``child_ids``; children share every block.
@@ -482,16 +561,59 @@ class KVCacheManager:
         """
         if isinstance(child_ids, (str, bytes)) or not isinstance(child_ids, Iterable):
             raise InvalidInput(f"child_ids must be a sequence of ids, got {child_ids!r}")
-        await self.step(forks=[(seq_id, tuple(child_ids))], want_metadata=False)
+        with self._tracer.span("akv.fork", attributes={"akv.seq_id": str(seq_id)}):
+            await self.step(forks=[(seq_id, tuple(child_ids))], want_metadata=False)
 
-    async def free(self, seq_id: Hashable) -> bool:
+    async def free(self, seq_id: Hashable, *, preempted: bool = False) -> bool:
         """Free a sequence's blocks (full published blocks stay cached). Idempotent.
+
+        Args:
+            seq_id: The sequence.
+            preempted: The scheduler preempts it (to re-admit later); counted
+                in ``CacheStats.preemptions``.
 
         Returns:
             True if the sequence was live, False if unknown or already freed.
         """
-        result = await self.step(frees=(seq_id,), want_metadata=False)
+        with self._tracer.span("akv.free", attributes={"akv.seq_id": str(seq_id)}):
+            if preempted:
+                result = await self.step(preempted=(seq_id,), want_metadata=False)
+            else:
+                result = await self.step(frees=(seq_id,), want_metadata=False)
         return bool(result.freed)
+
+    # ---------------------------------------------------------------- metrics
+    @property
+    def metrics_registry(self) -> Any:
+        """This manager's own ``prometheus_client.CollectorRegistry`` (see docs/metrics.md).
+
+        Counters and block gauges are read from the shards at scrape time, so
+        they equal :meth:`stats` at any quiescent point; they stay readable
+        after exit (final values).
+        """
+        return self._metrics.registry
+
+    def _metrics_snapshot(self) -> MetricsSnapshot:
+        """Read the shards' counters and pool counts (plain reads; safe from a scrape thread)."""
+        totals: dict[str, int] = {}
+        blocks = {"free": 0, "active": 0, "cached": 0, "in_flight": 0}
+        for shard in list(self._shards):
+            state = shard.state
+            c = state.counters
+            for name in c.__slots__:
+                totals[name] = totals.get(name, 0) + getattr(c, name)
+            pool = state.pool
+            totals["blocks_freed"] = totals.get("blocks_freed", 0) + pool.blocks_freed
+            blocks["free"] += pool.num_free
+            blocks["active"] += pool.num_active
+            blocks["cached"] += pool.num_cached
+            blocks["in_flight"] += pool.num_in_flight
+        return MetricsSnapshot(
+            counters=totals,
+            blocks=blocks,
+            num_blocks=self.config.num_blocks,
+            inbox_depths={a.name: a.inbox_depth for a in list(self._actors)},
+        )
 
     # ---------------------------------------------------------------- queries
     async def lookup(self, prompt: Any, *, namespace: Hashable = None) -> int:
@@ -565,6 +687,11 @@ class KVCacheManager:
             eviction_loop_blocks=self._eviction.stats.blocks,
             max_inbox_depth=depth,
             pool_bytes=self.storage.nbytes if self.storage is not None else 0,
+            blocks_freed=sum(s.blocks_freed for s in shard_stats),
+            preemptions=sum(x.preemptions for x in c),
+            sequences_resumed=sum(x.sequences_resumed for x in c),
+            resumed_prompt_tokens=sum(x.resumed_prompt_tokens for x in c),
+            resumed_cached_tokens=sum(x.resumed_cached_tokens for x in c),
         )
 
     async def check(self) -> None:

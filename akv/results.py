@@ -111,11 +111,15 @@ class CacheStats:
         usage: ``1 - free / num_blocks`` (0.0-1.0).
         num_sequences: Live sequences.
         prefix_cache_blocks: Blocks in the prefix tree.
-        prompt_tokens: Prompt tokens of all admissions (each admission counted).
+        prompt_tokens: Prompt tokens of first admissions (``Admit(resumed=False)``).
         cached_tokens: Of those, tokens served from the prefix cache.
-        hit_rate: ``cached_tokens / prompt_tokens`` (0.0 when none).
-        blocks_allocated, blocks_evicted, eviction_batches, cow_copies, forks,
-        sequences_added, sequences_freed, pool_exhausted: Monotonic counters.
+        hit_rate: ``cached_tokens / prompt_tokens`` (0.0 when none; never above 1).
+        resumed_prompt_tokens, resumed_cached_tokens: The same for re-admissions
+            after preemption (``Admit(resumed=True)``), counted apart.
+        blocks_allocated, blocks_freed, blocks_evicted, eviction_batches,
+        cow_copies, forks, sequences_added, sequences_resumed, sequences_freed,
+        preemptions, pool_exhausted: Monotonic counters. ``blocks_allocated -
+        blocks_freed`` equals ``num_blocks - free``.
         eviction_loop_batches, eviction_loop_blocks: Work of the background loop.
         max_inbox_depth: Actor name -> highest inbox depth seen (messages).
         pool_bytes: Bytes of K/V tensors (0 in metadata mode).
@@ -145,3 +149,8 @@ class CacheStats:
     eviction_loop_blocks: int
     max_inbox_depth: Mapping[str, int]
     pool_bytes: int
+    blocks_freed: int = 0
+    preemptions: int = 0
+    sequences_resumed: int = 0
+    resumed_prompt_tokens: int = 0
+    resumed_cached_tokens: int = 0

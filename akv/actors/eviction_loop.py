@@ -23,6 +23,7 @@ import structlog
 from akv.actors.messages import Evict
 from akv.actors.pool_shard import PoolShardActor
 from akv.errors import AkvError
+from akv.obs.tracing import AkvTracer
 
 
 @dataclass(kw_only=True, slots=True)
@@ -44,6 +45,8 @@ class EvictionLoop:
         high_watermark: Free fraction to refill to (0.0-1.0).
         batch_blocks: Blocks per eviction batch.
         logger: structlog logger.
+        batch_seconds: Histogram (``observe(seconds)``) of each batch's wall time.
+        tracer: :class:`~akv.obs.tracing.AkvTracer` (default: the global provider's).
     """
 
     def __init__(
@@ -54,6 +57,8 @@ class EvictionLoop:
         high_watermark: float,
         batch_blocks: int,
         logger: Any = None,
+        batch_seconds: Any = None,
+        tracer: Any = None,
     ) -> None:
         self.shards = shards
         self.low_watermark = low_watermark
@@ -61,6 +66,8 @@ class EvictionLoop:
         self.batch_blocks = batch_blocks
         self.log = (logger or structlog.get_logger("akv")).bind(actor="eviction_loop")
         self.stats = EvictionStats()
+        self.batch_seconds = batch_seconds
+        self.tracer = tracer or AkvTracer()
         self._wake = anyio.Event()
         self._stopping = False
 
@@ -90,17 +97,30 @@ class EvictionLoop:
             target = int(self.high_watermark * num_blocks + 0.999999) - int(shard.free_fraction * num_blocks)
             want = max(1, min(self.batch_blocks, target))
             before = 1.0 - shard.free_fraction
-            t0 = time.perf_counter()
-            try:
-                evicted = await shard.ask(Evict(want))
-            except AkvError:
-                return  # the shard is stopping; the manager reports why
-            elapsed = time.perf_counter() - t0
+            with self.tracer.span("akv.evict_batch") as span:
+                t0 = time.perf_counter()
+                try:
+                    evicted = await shard.ask(Evict(want))
+                except AkvError:
+                    return  # the shard is stopping; the manager reports why
+                elapsed = time.perf_counter() - t0
+                if span.is_recording():
+                    span.set_attributes(
+                        {
+                            "akv.shard": shard.state.shard_index,
+                            "akv.blocks_requested": want,
+                            "akv.blocks": evicted,
+                            "akv.usage_before": before,
+                            "akv.usage_after": 1.0 - shard.free_fraction,
+                        }
+                    )
             if not evicted:
                 return
             self.stats.batches += 1
             self.stats.blocks += evicted
             self.stats.busy_s += elapsed
+            if self.batch_seconds is not None:
+                self.batch_seconds.observe(elapsed)
             self.log.info(
                 "eviction.batch",
                 shard=shard.state.shard_index,

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Any
 
 from akv.core.step import StepRequest
 
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    """Apply a :class:`~akv.core.step.StepRequest`; reply ``StepOutcome`` plus a copy ticket."""
+    """Apply a :class:`~akv.core.step.StepRequest`; reply ``StepOutcome`` plus a copy ticket.
+
+    ``context`` is the caller's OpenTelemetry context: the shard's span is its child.
+    """
 
     request: StepRequest
+    context: Any = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,8 +22,9 @@ from akv.actors.messages import Check, Evict, Inspect, Stats, Step, Validate
 from akv.actors.prefix_tree import PrefixTreeActor
 from akv.actors.runtime import Actor
 from akv.core.shard_state import ShardCounters, ShardState, TreeGen
-from akv.core.step import StepOutcome
-from akv.errors import AkvError
+from akv.core.step import StepOutcome, StepRequest
+from akv.errors import AkvError, PoolExhausted
+from akv.obs.tracing import AkvTracer
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,6 +67,7 @@ class ShardStats:
     num_sequences: int
     counters: ShardCounters
     max_inbox_depth: int
+    blocks_freed: int = 0
 
 
 class PoolShardActor(Actor):
@@ -80,6 +82,8 @@ class PoolShardActor(Actor):
         debug_invariants: Run the O(1) conservation check after every message.
         inbox_capacity: Inbox bound (messages).
         logger: structlog logger.
+        copy_bytes: Histogram (``observe(bytes)``) of each submitted copy batch.
+        tracer: :class:`~akv.obs.tracing.AkvTracer` (default: the global provider's).
     """
 
     def __init__(
@@ -93,6 +97,8 @@ class PoolShardActor(Actor):
         debug_invariants: bool,
         inbox_capacity: int,
         logger: Any = None,
+        copy_bytes: Any = None,
+        tracer: Any = None,
     ) -> None:
         super().__init__(f"pool_shard_{state.shard_index}", inbox_capacity, logger)
         self.log = self.log.bind(shard=state.shard_index)
@@ -102,6 +108,8 @@ class PoolShardActor(Actor):
         self.low_watermark = low_watermark
         self.wake_eviction = wake_eviction
         self.debug_invariants = debug_invariants
+        self.copy_bytes = copy_bytes
+        self.tracer = tracer or AkvTracer()
         self._pinned: list[tuple[Any, list[int]]] = []  # (ticket, source blocks)
         #: Free fraction after the last message (0.0-1.0), read by the eviction loop.
         self.free_fraction = 1.0
@@ -114,19 +122,22 @@ class PoolShardActor(Actor):
         """Serve :class:`Step`, :class:`Evict`, :class:`Inspect`, :class:`Stats` or :class:`Check`."""
         self._settle_copies()
         if isinstance(msg, Step):
-            outcome: StepOutcome = await self._drive(self.state.step(msg.request))
-            ticket = None
-            if outcome.copies:
-                src = [s for s, _ in outcome.copies]
-                dst = [d for _, d in outcome.copies]
-                try:
-                    ticket = self.copy_executor.submit(src, dst)
-                except AkvError as exc:
-                    # The step is applied and cannot be taken back without its copies:
-                    # a broken stream worker fails the manager.
-                    raise RuntimeError(f"stream worker refused copies: {exc}") from exc
-                self._pinned.append((ticket, src + dst))
-                self.log.debug("cow.copy", blocks=len(src), src_block_ids=src[:16], dst_block_ids=dst[:16])
+            with self.tracer.span("akv.shard_step", context=msg.context) as span:
+                allocated = self.state.counters.blocks_allocated
+                outcome: StepOutcome = await self._drive(self.state.step(msg.request))
+                ticket = self._submit_copies(outcome) if outcome.copies else None
+                if span.is_recording():
+                    span.set_attributes(
+                        {
+                            "akv.shard": self.state.shard_index,
+                            "akv.blocks_allocated": self.state.counters.blocks_allocated - allocated,
+                            "akv.evicted_blocks": outcome.evicted_blocks,
+                            "akv.scheduled": len(outcome.seq_ids),
+                            "akv.rejected": len(outcome.rejected),
+                            "akv.free_blocks": self.state.pool.num_free,
+                        }
+                    )
+            self._log_step(msg.request, outcome)
             result: Any = (outcome, ticket)
         elif isinstance(msg, Validate):
             self.state.validate(msg.request)
@@ -146,6 +157,69 @@ class PoolShardActor(Actor):
             raise TypeError(f"{self.name}: unknown message {type(msg).__name__}")
         self._after()
         return result
+
+    def _submit_copies(self, outcome: StepOutcome) -> Any:
+        """Submit a step's copy-on-write pairs to the stream worker; pin their blocks until they ran."""
+        src = [s for s, _ in outcome.copies]
+        dst = [d for _, d in outcome.copies]
+        with self.tracer.span("akv.copy_blocks") as span:
+            try:
+                ticket = self.copy_executor.submit(src, dst)
+            except AkvError as exc:
+                # The step is applied and cannot be taken back without its copies:
+                # a broken stream worker fails the manager.
+                raise RuntimeError(f"stream worker refused copies: {exc}") from exc
+            nbytes = getattr(ticket, "nbytes", 0)
+            if span.is_recording():
+                span.set_attributes({"akv.shard": self.state.shard_index, "akv.blocks": len(src), "akv.bytes": nbytes})
+        self._pinned.append((ticket, src + dst))
+        if self.copy_bytes is not None:
+            self.copy_bytes.observe(nbytes)
+        self.log.debug(
+            "cow.copy",
+            blocks=len(src),
+            seq_ids=outcome.copy_seq_ids[:16],
+            src_block_ids=src[:16],
+            dst_block_ids=dst[:16],
+        )
+        return ticket
+
+    def _log_step(self, request: StepRequest, outcome: StepOutcome) -> None:
+        """Debug events of one step, each carrying the sequence that caused it (see docs/logging.md)."""
+        log, seqs = self.log, self.state.sequences
+        for seq_id in outcome.freed:
+            log.debug("sequence.freed", seq_id=seq_id, preempted=seq_id in request.preempted)
+        for parent_id, child_ids in request.forks:
+            parent = seqs.get(parent_id)
+            blocks = len(parent.block_ids) if parent is not None else None
+            log.debug("sequence.forked", seq_id=parent_id, child_ids=list(child_ids), shared_blocks=blocks)
+        for adm in request.admits:
+            if adm.seq_id in outcome.cached_tokens:
+                seq = seqs[adm.seq_id]
+                log.debug(
+                    "sequence.added",
+                    seq_id=adm.seq_id,
+                    prompt_tokens=len(adm.prompt),
+                    cached_tokens=outcome.cached_tokens[adm.seq_id],
+                    blocks=len(seq.block_ids),
+                    resumed=adm.resumed,
+                )
+        for seq_id, err in outcome.rejected.items():
+            if isinstance(err, PoolExhausted):
+                log.debug(
+                    "pool.exhausted",
+                    seq_id=seq_id,
+                    requested_blocks=err.requested_blocks,
+                    free_blocks=err.free_blocks,
+                    evictable_blocks=err.evictable_blocks,
+                )
+            else:
+                log.info(
+                    "request.too_large",
+                    seq_id=seq_id,
+                    requested_blocks=err.requested_blocks,
+                    num_blocks=err.num_blocks,
+                )
 
     async def _drive(self, gen: TreeGen) -> Any:
         try:
@@ -203,4 +277,5 @@ class PoolShardActor(Actor):
             num_sequences=len(self.state.sequences),
             counters=ShardCounters(**{f: getattr(c, f) for f in c.__slots__}),
             max_inbox_depth=self.max_inbox_depth,
+            blocks_freed=pool.blocks_freed,
         )

@@ -54,6 +54,7 @@ class BlockPool:
         "_published",
         "_refcount",
         "_state",
+        "blocks_freed",
         "first_block_id",
         "num_blocks",
         "total_refs",
@@ -74,6 +75,9 @@ class BlockPool:
         self._counts = [n, 0, 0, 0]
         #: Sum of all refcounts; equals the block-table references of live sequences.
         self.total_refs = 0
+        #: Blocks put back on the free queue since creation (monotonic; the
+        #: initial free blocks are not counted).
+        self.blocks_freed = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -206,6 +210,7 @@ class BlockPool:
                 state[i] = FREE
                 counts[FREE] += 1
                 free.append(b)
+                self.blocks_freed += 1
 
     def mark_published(self, block_ids: Iterable[int]) -> None:
         """Record that these (referenced) blocks are now in the prefix cache."""
@@ -276,6 +281,7 @@ class BlockPool:
             k += 1
         self._counts[IN_FLIGHT] -= k
         self._counts[FREE] += k
+        self.blocks_freed += k
 
     def evict_abort(self, block_ids: list[int], *, to_mru: bool = False) -> None:
         """Put blocks taken by :meth:`evict_begin` back in the LRU order, in order.
@@ -308,6 +314,7 @@ class BlockPool:
             self._state[i] = FREE
             self._counts[FREE] += 1
             self._free.append(i + self.first_block_id)
+            self.blocks_freed += 1
 
     def check(self) -> None:
         """Full O(num_blocks) consistency check.

@@ -97,6 +97,10 @@ class ShardCounters:
     cached_tokens: int = 0
     pool_exhausted: int = 0
     eviction_refusals: int = 0
+    preemptions: int = 0
+    sequences_resumed: int = 0
+    resumed_prompt_tokens: int = 0
+    resumed_cached_tokens: int = 0
 
 
 class ShardState:
@@ -169,6 +173,8 @@ class ShardState:
             if seq is not None:
                 self._release(seq)
                 out.freed.append(seq_id)
+                if seq_id in req.preempted:
+                    self.counters.preemptions += 1
 
         ops: TreeOps = []
         publishing: list = []
@@ -233,6 +239,7 @@ class ShardState:
                 pool.pin_for_copy((old, new))  # neither may be reused before the copy ran
                 pool.decref((old,))
                 out.copies.append((old, new))
+                out.copy_seq_ids.append(seq_id)
                 self.counters.cow_copies += 1
                 need -= 1
             if need:
@@ -286,8 +293,13 @@ class ShardState:
             seqs[adm.seq_id] = seq
             out.cached_tokens[adm.seq_id] = cached
             self.counters.sequences_added += 1
-            self.counters.prompt_tokens += length
-            self.counters.cached_tokens += cached
+            if adm.resumed:
+                self.counters.sequences_resumed += 1
+                self.counters.resumed_prompt_tokens += length
+                self.counters.resumed_cached_tokens += cached
+            else:
+                self.counters.prompt_tokens += length
+                self.counters.cached_tokens += cached
             scheduled.append((seq, cached, length - cached))
             if adm.prefill_done:
                 seq.num_computed = length

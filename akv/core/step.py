@@ -23,19 +23,25 @@ class Admit:
         prefill_done: The runner computes the whole prompt in this very step
             (a simulation shortcut): the prompt is committed at once and its
             full blocks published before the next admission of the step.
+        resumed: A re-admission of a sequence preempted earlier (its prompt
+            plus the tokens it had generated). Its prompt and cached tokens go
+            to the ``resumed_*`` counters, so the prefix-cache hit ratio counts
+            each request's first admission only.
     """
 
     seq_id: Hashable
     prompt: np.ndarray
     namespace: Hashable = None
     prefill_done: bool = False
+    resumed: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepRequest:
     """One scheduler step for one shard, applied in this order.
 
-    1. ``frees``: release sequences (unknown ids are a no-op: free is idempotent).
+    1. ``frees``: release sequences (unknown ids are a no-op: free is idempotent);
+       those also in ``preempted`` are counted as preemptions.
     2. ``commits``: the runner wrote K/V for the next ``n`` tokens of a sequence;
        full committed blocks are published to the prefix cache.
     3. ``forks``: ``(parent_id, child_ids)``: children share every parent block.
@@ -45,6 +51,8 @@ class StepRequest:
 
     Args:
         frees: Sequence ids to free.
+        preempted: The ids among ``frees`` that the scheduler preempts (to
+            re-admit later) rather than finishes; counted, freed the same way.
         commits: Sequence id -> tokens committed (>= 0).
         forks: ``(parent_id, child_ids)`` pairs.
         appends: Sequence id -> int32 token array, shape ``(k,)``, ``k >= 1``,
@@ -55,6 +63,7 @@ class StepRequest:
     """
 
     frees: Sequence[Hashable] = ()
+    preempted: frozenset = frozenset()
     commits: Mapping[Hashable, int] = field(default_factory=dict)
     forks: Sequence[tuple[Hashable, Sequence[Hashable]]] = ()
     appends: Mapping[Hashable, np.ndarray | int] = field(default_factory=dict)
@@ -82,6 +91,7 @@ class StepOutcome:
             were not applied; their state is unchanged.
         copies: ``(src_block_id, dst_block_id)`` copy-on-write pairs to run
             before the runner writes or reads this step's blocks.
+        copy_seq_ids: The sequence whose append caused each pair of ``copies``.
         freed: Sequence ids actually freed (known ones).
         evicted_blocks: Blocks evicted on demand during this step.
     """
@@ -94,5 +104,6 @@ class StepOutcome:
     cached_tokens: dict = field(default_factory=dict)
     rejected: dict = field(default_factory=dict)
     copies: list = field(default_factory=list)
+    copy_seq_ids: list = field(default_factory=list)
     freed: list = field(default_factory=list)
     evicted_blocks: int = 0

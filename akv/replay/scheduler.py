@@ -15,8 +15,10 @@ The simulated engine works like vLLM's scheduler (FCFS, recompute preemption):
   ``output_length`` tokens and is freed in the next step.
 - When the pool cannot hold a decode step, the newest running sequence is
   preempted: its blocks are freed and it is re-admitted later with its prompt
-  plus the tokens generated so far (recomputation). Hit counting covers first
-  admissions only; re-admissions are counted apart.
+  plus the tokens generated so far (recomputation). The victim is freed with
+  ``step(preempted=...)`` and re-admitted with ``Admit(resumed=True)``, so the
+  manager's counters match this report: hit counting covers first admissions
+  only; re-admissions are counted apart.
 
 Exactly one ``KVCacheManager.step`` call per scheduler step.
 """
@@ -29,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import structlog
 
 from akv.core.step import Admit
 from akv.errors import PoolExhausted, RequestTooLarge
@@ -51,6 +54,8 @@ class ReplayOptions:
         want_metadata: Build block tables and slot mappings every step, as a
             model runner would need (``akv replay`` turns it off in metadata
             mode, where no runner reads them).
+        timeline_every_steps: Sample ``kv.stats()`` into ``report.timeline``
+            every this many steps (0: no timeline; ``akv replay --plot``).
     """
 
     max_batch: int = 256
@@ -60,8 +65,11 @@ class ReplayOptions:
     trace_block_tokens: int = 512
     seed: int = 0
     want_metadata: bool = True
+    timeline_every_steps: int = 0
 
     def __post_init__(self) -> None:
+        if self.timeline_every_steps < 0:
+            raise ValueError("timeline_every_steps must be >= 0")
         if self.max_batch < 1 or self.step_ms <= 0 or self.max_prefill_tokens < 1:
             raise ValueError("max_batch, step_ms and max_prefill_tokens must be positive")
         if self.max_output_tokens is not None and self.max_output_tokens < 0:
@@ -94,10 +102,13 @@ class ReplayReport:
     wall_s: float = 0.0
     step_latency_us: dict = field(default_factory=dict)
     cached_tokens_per_request: list = field(default_factory=list)
+    #: Samples of (simulated_s, blocks per state, hit rate, evictions, preemptions),
+    #: when ``ReplayOptions.timeline_every_steps`` is set.
+    timeline: list = field(default_factory=list)
 
     def as_json(self) -> dict:
-        """The report as JSON-ready data (without the per-request list)."""
-        out = {f: getattr(self, f) for f in self.__slots__ if f != "cached_tokens_per_request"}
+        """The report as JSON-ready data (without the per-request list and the timeline)."""
+        out = {f: getattr(self, f) for f in self.__slots__ if f not in ("cached_tokens_per_request", "timeline")}
         return out
 
 
@@ -112,6 +123,19 @@ class _Running:
         self.generated = 0
         self.outputs = outputs
         self.admitted_at = 0
+
+
+def _sample(now_ms: float, stats) -> dict:
+    return {
+        "simulated_s": now_ms / 1000.0,
+        "free": stats.free,
+        "active": stats.active,
+        "cached": stats.cached,
+        "in_flight": stats.in_flight,
+        "hit_rate": stats.hit_rate,
+        "evictions": stats.blocks_evicted,
+        "preemptions": stats.preemptions,
+    }
 
 
 async def replay(
@@ -145,6 +169,7 @@ async def replay(
     admitted_once = [False] * len(requests)
     synthesized: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # tokens of waiting requests
     frees: list[str] = []
+    preempted: list[str] = []
     commits: dict[str, int] = {}
     latencies: list[float] = []
     now_ms = 0.0
@@ -156,10 +181,10 @@ async def replay(
         n = req.output_length
         return n if options.max_output_tokens is None else min(n, options.max_output_tokens)
 
-    while arrivals or waiting or running or frees:
+    while arrivals or waiting or running or frees or preempted:
         while arrivals and requests[arrivals[0]].timestamp_ms <= now_ms:
             waiting.append((arrivals.popleft(), None))
-        if not running and not waiting and not frees and arrivals:
+        if not running and not waiting and not frees and not preempted and arrivals:
             now_ms = float(requests[arrivals[0]].timestamp_ms)
             continue
 
@@ -202,18 +227,24 @@ async def replay(
             r = _Running(index, seq_id, len(prompt), out_len(req), outputs)
             if resume is not None:
                 r.generated = len(resume)
-            admits.append(Admit(seq_id=seq_id, prompt=tokens, prefill_done=True))
+            admits.append(Admit(seq_id=seq_id, prompt=tokens, prefill_done=True, resumed=resume is not None))
             pending.append((index, resume, r))
             budget -= len(tokens)
             slots -= 1
 
         t0 = time.perf_counter()
         result = await kv.step(
-            frees=frees, commits=commits, appends=appends, admits=admits, want_metadata=options.want_metadata
+            frees=frees,
+            preempted=preempted,
+            commits=commits,
+            appends=appends,
+            admits=admits,
+            want_metadata=options.want_metadata,
         )
         latencies.append(time.perf_counter() - t0)
         report.decode_steps += 1
         frees = []
+        preempted = []
         commits = {}
 
         for seq_id in appends:
@@ -253,7 +284,7 @@ async def replay(
             victim = order.pop()
             r = running.pop(victim)
             commits.pop(victim, None)
-            frees.append(victim)
+            preempted.append(victim)
             report.preemptions += 1
             waiting.appendleft((r.index, r.outputs[: r.generated].copy()))
             short -= 1
@@ -268,6 +299,8 @@ async def replay(
 
         report.peak_blocks_in_use = max(report.peak_blocks_in_use, kv.blocks_in_use)
         report.peak_running = max(report.peak_running, len(running))
+        if options.timeline_every_steps and report.decode_steps % options.timeline_every_steps == 0:
+            report.timeline.append(_sample(now_ms, await kv.stats()))
         now_ms += options.step_ms
         if progress is not None and time.perf_counter() >= next_progress:
             progress(done, len(requests))
@@ -289,4 +322,12 @@ async def replay(
             "max": round(float(lat.max()), 1),
             "mean": round(float(lat.mean()), 1),
         }
+    # The canonical line of a replay (nothing per step or per token at info).
+    structlog.get_logger("akv").info(
+        "replay.finished",
+        component="replay",
+        **{k: v for k, v in report.as_json().items() if k != "step_latency_us"},
+        step_latency_p50_us=report.step_latency_us.get("p50"),
+        step_latency_p99_us=report.step_latency_us.get("p99"),
+    )
     return report

@@ -1,0 +1,136 @@
+"""Prometheus metrics of one manager: a registry of its own, counters read from the shards.
+
+Counters and gauges are not kept twice: a custom collector reads the shards'
+own counters (:class:`~akv.core.shard_state.ShardCounters`) and block-pool
+counts when the registry is scraped, so a scrape can never disagree with
+:meth:`KVCacheManager.stats` taken at the same quiescent point. Only what the
+shards do not count is observed here: the histograms of step latency,
+eviction batch time and copy sizes.
+
+Each manager has its own :class:`prometheus_client.CollectorRegistry`
+(nothing is registered in the global default registry), so two managers in
+one process do not collide. Serve it with
+``prometheus_client.start_http_server(port, registry=kv.metrics_registry)``
+or render it with ``prometheus_client.generate_latest(kv.metrics_registry)``.
+
+Names follow the Prometheus conventions (base units, ``_total`` on counters);
+docs/metrics.md lists them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+#: Counter name (without ``_total``) -> (field of ``MetricsSnapshot.counters``, help text).
+COUNTERS: dict[str, tuple[str, str]] = {
+    "akv_blocks_allocated": ("blocks_allocated", "Blocks taken off the free queue."),
+    "akv_blocks_freed": ("blocks_freed", "Blocks put back on the free queue (released or evicted)."),
+    "akv_evictions": ("blocks_evicted", "Cached blocks evicted from the prefix cache."),
+    "akv_eviction_batches": ("eviction_batches", "Eviction passes that evicted at least one block."),
+    "akv_prefix_cache_queries_tokens": (
+        "prompt_tokens",
+        "Prompt tokens of first admissions looked up in the prefix cache.",
+    ),
+    "akv_prefix_cache_hits_tokens": ("cached_tokens", "Prompt tokens of first admissions served from the prefix cache."),
+    "akv_prefix_cache_resumed_queries_tokens": (
+        "resumed_prompt_tokens",
+        "Prompt tokens of re-admissions after preemption (counted apart from first admissions).",
+    ),
+    "akv_prefix_cache_resumed_hits_tokens": (
+        "resumed_cached_tokens",
+        "Prompt tokens of re-admissions after preemption served from the prefix cache.",
+    ),
+    "akv_cow_copies": ("cow_copies", "Copy-on-write block copies."),
+    "akv_forks": ("forks", "Child sequences created by forks."),
+    "akv_sequences_added": ("sequences_added", "Sequences admitted (first admissions and re-admissions)."),
+    "akv_sequences_freed": ("sequences_freed", "Sequences freed (finished or preempted)."),
+    "akv_preemptions": ("preemptions", "Sequences freed as preemptions by the scheduler."),
+    "akv_pool_exhausted": ("pool_exhausted", "Appends or admissions refused for lack of blocks."),
+}
+
+#: Bucket bounds of ``akv_step_latency_seconds`` and ``akv_eviction_batch_seconds`` (seconds).
+LATENCY_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
+#: Bucket bounds of ``akv_copy_bytes`` (bytes per copy batch).
+COPY_BYTES_BUCKETS = tuple(float(4**k * 1024) for k in range(11))  # 1 KiB .. 1 GiB
+
+
+@dataclass(kw_only=True, slots=True)
+class MetricsSnapshot:
+    """What the collector reads from a manager at scrape time.
+
+    Attributes:
+        counters: Counter field (see :data:`COUNTERS`) -> value, summed over shards.
+        blocks: Block state (free, active, cached, in_flight) -> blocks.
+        num_blocks: Blocks in the pool.
+        inbox_depths: Actor name -> messages waiting now.
+    """
+
+    counters: Mapping[str, int] = field(default_factory=dict)
+    blocks: Mapping[str, int] = field(default_factory=dict)
+    num_blocks: int = 0
+    inbox_depths: Mapping[str, int] = field(default_factory=dict)
+
+
+class _SnapshotCollector(Collector):
+    """Turns a :class:`MetricsSnapshot` read at scrape time into metric families."""
+
+    def __init__(self, read: Callable[[], MetricsSnapshot]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator:
+        snap = self._read()
+        for name, (key, text) in COUNTERS.items():
+            yield CounterMetricFamily(name, text, value=snap.counters.get(key, 0))
+        blocks = GaugeMetricFamily("akv_blocks", "Blocks per state.", labels=["state"])
+        for state in ("free", "active", "cached", "in_flight"):
+            blocks.add_metric([state], snap.blocks.get(state, 0))
+        yield blocks
+        free = snap.blocks.get("free", 0)
+        usage = 1.0 - free / snap.num_blocks if snap.num_blocks else 0.0
+        yield GaugeMetricFamily("akv_pool_usage_ratio", "Fraction of blocks not free (0-1).", value=usage)
+        depth = GaugeMetricFamily("akv_actor_inbox_depth", "Messages waiting in an actor's inbox.", labels=["actor"])
+        for actor, n in sorted(snap.inbox_depths.items()):
+            depth.add_metric([actor], n)
+        yield depth
+
+
+class ManagerMetrics:
+    """The registry of one manager and the histograms it observes.
+
+    Args:
+        read: Returns the manager's :class:`MetricsSnapshot`; called at each
+            scrape (from the scraping thread: it must only read plain counters).
+
+    Attributes:
+        registry: The manager's own ``CollectorRegistry``.
+        step_latency_s: Histogram of ``KVCacheManager.step`` wall time (seconds).
+        eviction_batch_s: Histogram of one eviction-loop batch (seconds).
+        copy_bytes: Histogram of bytes per submitted copy batch.
+    """
+
+    def __init__(self, read: Callable[[], MetricsSnapshot]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_SnapshotCollector(read))
+        self.step_latency_s = Histogram(
+            "akv_step_latency_seconds",
+            "Wall time of one KVCacheManager.step call.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.eviction_batch_s = Histogram(
+            "akv_eviction_batch_seconds",
+            "Wall time of one eviction-loop batch.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.copy_bytes = Histogram(
+            "akv_copy_bytes",
+            "Bytes per submitted copy-on-write batch (block bytes times blocks).",
+            buckets=COPY_BYTES_BUCKETS,
+            registry=self.registry,
+        )

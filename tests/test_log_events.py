@@ -1,0 +1,56 @@
+"""Log events carry the sequence that caused them (the catalog is docs/logging.md)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
+
+from akv import Admit, KVCacheManager
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.anyio
+async def test_sequence_events_carry_their_sequence(tiny_config) -> None:
+    with capture_logs() as logs:
+        async with KVCacheManager(tiny_config(num_blocks=8)) as kv:
+            prompt = list(range(1, 11))
+            await kv.add_sequence("a", prompt)
+            await kv.commit("a", 10)
+            await kv.fork("a", ["b"])
+            await kv.append("b", [5])
+            await kv.step(admits=[Admit(seq_id="big", prompt=list(range(1, 30)))])  # 8 blocks: exhausted
+            await kv.step(admits=[Admit(seq_id="huge", prompt=list(range(1, 40)))])  # 10 blocks: never fits
+            await kv.free("b", preempted=True)
+            await kv.wait_copies()
+    events = {}
+    for e in logs:
+        events.setdefault(e["event"], []).append(e)
+    (added,) = events["sequence.added"]
+    assert (added["seq_id"], added["prompt_tokens"], added["cached_tokens"], added["blocks"]) == ("a", 10, 0, 3)
+    (forked,) = events["sequence.forked"]
+    assert (forked["seq_id"], forked["child_ids"], forked["shared_blocks"]) == ("a", ["b"], 3)
+    (copy,) = events["cow.copy"]
+    assert (copy["seq_ids"], copy["blocks"]) == (["b"], 1)
+    (exhausted,) = events["pool.exhausted"]
+    assert exhausted["seq_id"] == "big" and exhausted["requested_blocks"] == 6  # 8 blocks, 2 of them prefix hits
+    (too_large,) = events["request.too_large"]
+    assert (too_large["seq_id"], too_large["requested_blocks"]) == ("huge", 10)
+    (freed,) = events["sequence.freed"]
+    assert (freed["seq_id"], freed["preempted"]) == ("b", True)
+    assert all(e["log_level"] == "debug" for name in ("sequence.added", "cow.copy", "pool.exhausted") for e in events[name])
+
+
+def test_every_emitted_event_is_in_the_catalog() -> None:
+    catalog = (ROOT / "docs" / "logging.md").read_text()
+    emitted = set()
+    for path in (ROOT / "akv").rglob("*.py"):
+        if "testing" in path.parts:
+            continue
+        emitted |= set(re.findall(r"""\.(?:debug|info|warning|error|exception)\(\s*"([a-z_.]+)\"""", path.read_text()))
+    assert emitted  # the scan works
+    missing = sorted(e for e in emitted if f"`{e}`" not in catalog)
+    assert not missing, f"events missing from docs/logging.md: {missing}"

@@ -1,0 +1,188 @@
+"""Prometheus metrics: a registry per manager whose counters equal ``kv.stats()``."""
+
+from __future__ import annotations
+
+import json
+import random
+import urllib.request
+from pathlib import Path
+
+import anyio
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from akv import KVCacheConfig, KVCacheManager
+from akv.cli import main
+from akv.obs.export import serve_metrics
+from akv.replay import ReplayOptions, replay
+from tests.test_replay import BLOCK, TRACE_BLOCK, restore_logging, synthetic_requests
+
+__all__ = ["restore_logging"]  # the fixture, imported for its use here
+
+
+def scrape(registry) -> dict[tuple[str, tuple], float]:
+    """Sample name and sorted labels -> value, parsed as a Prometheus client would."""
+    text = generate_latest(registry).decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def assert_agrees(samples: dict, stats) -> None:
+    counters = {
+        "akv_blocks_allocated_total": stats.blocks_allocated,
+        "akv_blocks_freed_total": stats.blocks_freed,
+        "akv_evictions_total": stats.blocks_evicted,
+        "akv_eviction_batches_total": stats.eviction_batches,
+        "akv_prefix_cache_queries_tokens_total": stats.prompt_tokens,
+        "akv_prefix_cache_hits_tokens_total": stats.cached_tokens,
+        "akv_prefix_cache_resumed_queries_tokens_total": stats.resumed_prompt_tokens,
+        "akv_prefix_cache_resumed_hits_tokens_total": stats.resumed_cached_tokens,
+        "akv_cow_copies_total": stats.cow_copies,
+        "akv_forks_total": stats.forks,
+        "akv_sequences_added_total": stats.sequences_added,
+        "akv_sequences_freed_total": stats.sequences_freed,
+        "akv_preemptions_total": stats.preemptions,
+        "akv_pool_exhausted_total": stats.pool_exhausted,
+    }
+    assert {name: value(samples, name) for name in counters} == counters
+    for state in ("free", "active", "cached", "in_flight"):
+        assert value(samples, "akv_blocks", state=state) == getattr(stats, state)
+    assert value(samples, "akv_pool_usage_ratio") == pytest.approx(stats.usage)
+    assert stats.blocks_allocated - stats.blocks_freed == stats.num_blocks - stats.free
+
+
+@pytest.mark.anyio
+async def test_counters_equal_stats_after_a_manual_workload(tiny_config) -> None:
+    async with KVCacheManager(tiny_config(num_blocks=16)) as kv:
+        prompt = list(range(1, 11))  # 10 tokens: 3 blocks of 4
+        assert await kv.add_sequence("a", prompt) == 0
+        await kv.commit("a", 10)
+        assert await kv.add_sequence("b", prompt) == 8
+        await kv.fork("b", ["c"])
+        await kv.append("b", [7])  # shared partial tail: one copy-on-write
+        await kv.free("a")
+        assert await kv.free("c", preempted=True)
+        await kv.wait_copies()
+        stats = await kv.stats()
+        samples = scrape(kv.metrics_registry)
+        assert_agrees(samples, stats)
+        assert (stats.cow_copies, stats.forks, stats.preemptions) == (1, 1, 1)
+        assert (stats.prompt_tokens, stats.cached_tokens) == (20, 8)
+        assert value(samples, "akv_step_latency_seconds_count") == 7
+        assert value(samples, "akv_copy_bytes_count") == 1
+        assert value(samples, "akv_copy_bytes_sum") == kv.config.bytes_per_block
+        assert {k[1] for k in samples if k[0] == "akv_actor_inbox_depth"} == {
+            (("actor", "prefix_tree"),),
+            (("actor", "pool_shard_0"),),
+        }
+    # The registry stays readable after exit: final values.
+    assert_agrees(scrape(kv.metrics_registry), stats)
+
+
+@pytest.mark.anyio
+async def test_resumed_admissions_are_counted_apart(tiny_config) -> None:
+    from akv import Admit
+
+    async with KVCacheManager(tiny_config()) as kv:
+        await kv.step(admits=[Admit(seq_id="a", prompt=list(range(1, 10)), prefill_done=True)])
+        await kv.step(preempted=["a"])
+        await kv.step(admits=[Admit(seq_id="a", prompt=list(range(1, 12)), prefill_done=True, resumed=True)])
+        stats = await kv.stats()
+        assert (stats.prompt_tokens, stats.cached_tokens) == (9, 0)
+        assert (stats.resumed_prompt_tokens, stats.resumed_cached_tokens) == (11, 8)
+        assert (stats.preemptions, stats.sequences_resumed, stats.sequences_added) == (1, 1, 2)
+        assert_agrees(scrape(kv.metrics_registry), stats)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("num_shards", [1, 2])
+async def test_tight_replay_metrics_agree_with_stats_and_report(num_shards: int) -> None:
+    requests = synthetic_requests(60)
+    cfg = KVCacheConfig(
+        num_blocks=48 * num_shards, block_size=BLOCK, debug_invariants=True, num_shards=num_shards, high_watermark=0.2
+    )
+    async with KVCacheManager(cfg) as kv:
+        report = await replay(kv, requests, ReplayOptions(max_batch=16, trace_block_tokens=TRACE_BLOCK))
+        await kv.wait_copies()
+        stats = await kv.stats()
+        samples = scrape(kv.metrics_registry)
+    assert_agrees(samples, stats)
+    assert report.preemptions > 0
+    assert value(samples, "akv_preemptions_total") == report.preemptions
+    assert value(samples, "akv_prefix_cache_queries_tokens_total") == report.prompt_tokens
+    assert value(samples, "akv_prefix_cache_hits_tokens_total") == report.cached_tokens
+    assert value(samples, "akv_prefix_cache_resumed_queries_tokens_total") == report.readmit_prompt_tokens
+    assert value(samples, "akv_prefix_cache_resumed_hits_tokens_total") == report.readmit_cached_tokens
+    assert value(samples, "akv_step_latency_seconds_count") == report.decode_steps
+    assert stats.cached_tokens <= stats.prompt_tokens
+    if stats.eviction_loop_batches:
+        assert value(samples, "akv_eviction_batch_seconds_count") == stats.eviction_loop_batches
+
+
+@pytest.mark.anyio
+async def test_two_managers_do_not_collide(tiny_config) -> None:
+    async with KVCacheManager(tiny_config()) as one, KVCacheManager(tiny_config(num_blocks=32)) as two:
+        await one.add_sequence("x", list(range(1, 10)))
+        a, b = scrape(one.metrics_registry), scrape(two.metrics_registry)
+        assert one.metrics_registry is not two.metrics_registry
+        assert value(a, "akv_blocks_allocated_total") == 3
+        assert value(b, "akv_blocks_allocated_total") == 0
+        assert value(b, "akv_blocks", state="free") == 32
+
+
+# ---------------------------------------------------------------------- CLI
+def write_tight_trace(path: Path, n: int = 40) -> None:
+    """Requests of 2-3 trace blocks (512 tokens) sharing their first block: evictions and preemptions in 200 blocks."""
+    rng = random.Random(1)
+    lines = []
+    for i in range(n):
+        length = rng.randint(600, 1400)
+        ids = [rng.choice([0, 1]), *(1000 + 10 * i + j for j in range(1, -(-length // 512)))]
+        lines.append(json.dumps({"timestamp": 10 * i, "input_length": length, "output_length": 40, "hash_ids": ids}))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_cli_metrics_out_agrees_with_the_json_report(tmp_path: Path, restore_logging) -> None:
+    trace, report_path, metrics_path = tmp_path / "t.jsonl", tmp_path / "r.json", tmp_path / "m.txt"
+    write_tight_trace(trace)
+    argv = ["replay", str(trace), "--num-blocks", "200", "--storage", "none", "--no-progress"]
+    argv += ["--json", str(report_path), "--metrics-out", str(metrics_path), "--metrics-port", "0"]
+    assert main(argv) == 0
+    data = json.loads(report_path.read_text())
+    samples = {}
+    for family in text_string_to_metric_families(metrics_path.read_text()):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    assert data["preemptions"] > 0 and data["evictions"] > 0  # not vacuous
+    assert value(samples, "akv_preemptions_total") == data["preemptions"]
+    assert value(samples, "akv_evictions_total") == data["evictions"]
+    assert value(samples, "akv_cow_copies_total") == data["cow_copies"]
+    assert value(samples, "akv_prefix_cache_queries_tokens_total") == data["prompt_tokens"]
+    assert value(samples, "akv_prefix_cache_hits_tokens_total") == data["cached_tokens"]
+    assert value(samples, "akv_prefix_cache_resumed_queries_tokens_total") == data["readmit_prompt_tokens"]
+    assert value(samples, "akv_prefix_cache_resumed_hits_tokens_total") == data["readmit_cached_tokens"]
+    assert value(samples, "akv_step_latency_seconds_count") == data["decode_steps"]
+    assert value(samples, "akv_blocks", state="active") == 0
+
+
+@pytest.mark.anyio
+async def test_served_metrics_parse_and_agree_with_stats(tiny_config) -> None:
+    async with KVCacheManager(tiny_config()) as kv:
+        await kv.add_sequence("a", list(range(1, 10)))
+        stats = await kv.stats()
+        with serve_metrics(kv.metrics_registry, 0) as port:
+            url = f"http://127.0.0.1:{port}/metrics"
+            text = await anyio.to_thread.run_sync(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    assert_agrees(samples, stats)
