@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -17,10 +19,32 @@ from akv.errors import ActorCrashed, AkvError, TraceError
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
+    return value
+
+
+def _output_path(text: str) -> Path:
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file path")
+    if not path.parent.exists():
+        raise argparse.ArgumentTypeError(f"directory {str(path.parent)!r} does not exist")
+    return path
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -41,7 +65,7 @@ def _build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block (default 16)")
     size = rp.add_mutually_exclusive_group()
     size.add_argument("--num-blocks", type=_positive_int, help="blocks in the pool")
-    size.add_argument("--pool-gib", type=float, help="pool size in GiB (blocks = GiB / bytes per block)")
+    size.add_argument("--pool-gib", type=_positive_float, help="pool size in GiB (blocks = GiB / bytes per block)")
     rp.add_argument(
         "--model",
         default="tiny",
@@ -55,11 +79,11 @@ def _build_parser() -> argparse.ArgumentParser:
         help="where K/V tensors live: none = metadata only (default: cpu for tiny, none otherwise)",
     )
     rp.add_argument("--max-batch", type=_positive_int, default=256, help="running sequences at most (default 256)")
-    rp.add_argument("--step-ms", type=float, default=20.0, help="simulated ms per decode step (default 20)")
+    rp.add_argument("--step-ms", type=_positive_float, default=20.0, help="simulated ms per decode step (default 20)")
     rp.add_argument("--max-output-tokens", type=int, default=None, help="cap each request's output length")
     rp.add_argument("--shards", type=_positive_int, default=1, help="pool shards (default 1)")
     rp.add_argument("--seed", type=int, default=0, help="seed of the synthesized token ids (default 0)")
-    rp.add_argument("--json", type=Path, dest="json_path", help="write the report as JSON to this path")
+    rp.add_argument("--json", type=_output_path, dest="json_path", help="write the report as JSON to this path")
     rp.add_argument("--log-json", type=Path, help="write structured logs as JSON lines to this path")
     rp.add_argument("--log-level", default="warning", help="console log level (default warning)")
     rp.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -116,6 +140,14 @@ def _replay_config(args: argparse.Namespace) -> KVCacheConfig:
         num_blocks = 32_768 if storage != "none" or args.model == "tiny" else int(64 * 2**30 // block_bytes)
     if num_blocks < 1:
         raise ValueError(f"the pool holds no block of {block_bytes} bytes")
+    if storage == "cpu":
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if num_blocks * block_bytes > memory // 2:
+            raise ValueError(
+                f"a pool of {num_blocks:,} blocks x {block_bytes:,} bytes ({num_blocks * block_bytes / 2**30:,.1f} GiB) "
+                f"of CPU tensors exceeds half of this machine's memory ({memory / 2**30:,.1f} GiB); "
+                "pass a smaller --num-blocks or --pool-gib, or --storage none to simulate without tensors"
+            )
     return KVCacheConfig(
         num_blocks=num_blocks,
         block_size=args.block_size,
@@ -171,6 +203,12 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
         plot_replay(report.timeline, args.plot)
     print_summary(report, config, path)
+    if report.requests_rejected:
+        print(
+            f"akv: note: {report.requests_rejected:,} requests were dropped: each needs more blocks than a "
+            f"shard holds ({config.num_blocks // config.num_shards:,})",
+            file=sys.stderr,
+        )
     if args.json_path is not None:
         data = report.as_json()
         data.update(

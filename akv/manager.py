@@ -310,22 +310,35 @@ class KVCacheManager:
     ) -> StepResult:
         """Validate and convert the step's input, then ask the shard(s) (see :meth:`step`)."""
         vocab = self.config.vocab_size
+        frees = _ids(frees, "frees")
+        preempted = frozenset(_ids(preempted, "preempted"))
+        commits = _mapping(commits, "commits")
+        appends = _mapping(appends, "appends")
         appends_arr: dict[Hashable, Any] = {}
-        for seq_id, tokens in (appends or {}).items():
-            if type(tokens) is int:  # one decode token: the per-step fast path
+        for seq_id, tokens in appends.items():
+            if isinstance(tokens, (int, np.integer)) and not isinstance(tokens, (bool, np.bool_)):
+                tokens = int(tokens)  # one decode token: the per-step fast path
                 if not 0 <= tokens < vocab:
                     raise InvalidTokens(f"token appended to {seq_id!r} is {tokens}, outside [0, {vocab})")
                 appends_arr[seq_id] = tokens
             else:
                 appends_arr[seq_id] = as_token_array(tokens, vocab, what=f"tokens appended to {seq_id!r}")
         admits_arr = []
-        for adm in admits:
+        for adm in _items(admits, "admits"):
             if not isinstance(adm, Admit):
                 raise InvalidInput(f"admits must hold Admit items, got {type(adm).__name__}")
+            _check_id(adm.seq_id, "admitted sequence id")
+            _check_id(adm.namespace, f"namespace of {adm.seq_id!r}")
             prompt = as_token_array(adm.prompt, vocab, what=f"prompt of {adm.seq_id!r}")
             admits_arr.append(dataclasses.replace(adm, prompt=prompt))
-        forks = [(parent, tuple(children)) for parent, children in forks]
-        preempted = frozenset(preempted)
+        fork_list = []
+        for item in _items(forks, "forks"):
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise InvalidInput(f"forks must hold (parent_id, child_ids) pairs, got {item!r}")
+            parent, children = item
+            _check_id(parent, "fork parent id")
+            fork_list.append((parent, tuple(_ids(children, f"child ids of {parent!r}"))))
+        forks = fork_list
         request = StepRequest(
             frees=(*frees, *preempted),
             preempted=preempted,
@@ -559,6 +572,7 @@ class KVCacheManager:
             UnknownSequence: ``seq_id`` is not live.
             DuplicateSequence: A child id is live or repeated.
         """
+        _check_id(seq_id, "sequence id")
         if isinstance(child_ids, (str, bytes)) or not isinstance(child_ids, Iterable):
             raise InvalidInput(f"child_ids must be a sequence of ids, got {child_ids!r}")
         with self._tracer.span("akv.fork", attributes={"akv.seq_id": str(seq_id)}):
@@ -625,6 +639,7 @@ class KVCacheManager:
             InvalidTokens: Bad prompt.
         """
         self._check_running()
+        _check_id(namespace, "namespace")
         arr = as_token_array(prompt, self.config.vocab_size, what="prompt")
         bs = self.config.block_size
         keys = block_keys(arr, bs, (len(arr) - 1) // bs)
@@ -637,8 +652,10 @@ class KVCacheManager:
 
         Raises:
             UnknownSequence: Not live.
+            InvalidInput: ``seq_id`` is not hashable.
         """
         self._check_running()
+        _check_id(seq_id, "sequence id")
         if len(self._shards) == 1:
             return await self._ask(self._shards[0], Inspect(seq_id))
         if seq_id not in self._route:
@@ -716,6 +733,8 @@ class KVCacheManager:
 
         A gauge, read without a message: cheap enough to sample every step.
         """
+        if not self._shards:
+            return 0.0
         free = sum(s.free_fraction * s.state.pool.num_blocks for s in self._shards)
         return 1.0 - free / self.config.num_blocks
 
@@ -738,6 +757,38 @@ class KVCacheManager:
     def inbox_depths(self) -> dict[str, int]:
         """Messages waiting in each actor's inbox now."""
         return {a.name: a.inbox_depth for a in self._actors}
+
+
+def _check_id(value: Any, what: str) -> None:
+    """Raise :class:`InvalidInput` unless ``value`` can key a dict (ids and namespaces must)."""
+    try:
+        hash(value)
+    except TypeError:
+        raise InvalidInput(f"{what} must be hashable (a str, int or tuple), got {type(value).__name__} {value!r}") from None
+
+
+def _items(values: Any, what: str) -> list:
+    """``values`` as a list; a string or a non-iterable is an :class:`InvalidInput`."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise InvalidInput(f"{what} must be a sequence, got {type(values).__name__} {values!r}")
+    return list(values)
+
+
+def _ids(values: Any, what: str) -> list:
+    """A sequence of hashable ids (a lone string is refused, not split into characters)."""
+    ids = _items(values, what)
+    for value in ids:
+        _check_id(value, f"an id in {what}")
+    return ids
+
+
+def _mapping(values: Any, what: str) -> Mapping:
+    """A mapping from hashable ids (``None`` is empty)."""
+    if values is None:
+        return {}
+    if not isinstance(values, Mapping):
+        raise InvalidInput(f"{what} must be a mapping of sequence id -> value, got {type(values).__name__}")
+    return values
 
 
 def _tensor(array: np.ndarray | None) -> torch.Tensor | None:

@@ -914,3 +914,39 @@ async def test_rejected_admission_does_not_expose_a_later_admissions_hits(tiny_c
         assert result.evicted_blocks == 1
         assert await kv.lookup([200, 201, 202, 203, 204]) == 0
         await kv.check()
+
+
+@pytest.mark.parametrize("num_shards", [1, 2])
+async def test_malformed_ids_and_arguments_are_typed_errors_not_crashes(tiny_config, num_shards: int) -> None:
+    """Regression (fresh-eyes review): an unhashable id or namespace crashed the shard actor, and a
+    string given as ``frees`` freed one id per character."""
+    async with KVCacheManager(tiny_config(num_blocks=16, num_shards=num_shards)) as kv:
+        for seq_id in ("r", "e", "q"):
+            await kv.add_sequence(seq_id, [1, 2, 3])
+        before = await kv.stats()
+        calls = [
+            lambda: kv.free(["x"]),
+            lambda: kv.add_sequence(["c"], [1]),
+            lambda: kv.fork("r", [["z"]]),
+            lambda: kv.sequence({}),
+            lambda: kv.add_sequence("n", [1], namespace=[1]),
+            lambda: kv.lookup([1, 2], namespace={}),
+            lambda: kv.step(frees="req"),
+            lambda: kv.step(appends=[("r", 1)]),
+            lambda: kv.step(forks=["r"]),
+        ]
+        for call in calls:
+            with pytest.raises(InvalidInput):
+                await call()
+        assert await kv.stats() == before
+        await kv.check()
+
+
+async def test_numpy_and_torch_integer_scalars_are_one_token(tiny_config) -> None:
+    async with KVCacheManager(tiny_config(num_blocks=16)) as kv:
+        await kv.add_sequence("a", [1, 2, 3])
+        await kv.append("a", np.int64(5))
+        await kv.append("a", torch.tensor(6))
+        assert (await kv.sequence("a")).token_ids == (1, 2, 3, 5, 6)
+        with pytest.raises(InvalidTokens):
+            await kv.append("a", np.bool_(True))

@@ -1,5 +1,5 @@
 """The stress harness (issue 3): a short run in the default suite, fault injection, the command,
-and strict xfail reproductions of the library bugs the harness found.
+and regression tests for the library bugs the harness found.
 """
 
 from __future__ import annotations

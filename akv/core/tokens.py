@@ -39,8 +39,12 @@ def as_token_array(tokens, vocab_size: int, *, what: str = "tokens") -> np.ndarr
             arr = np.asarray(tokens)
         except (TypeError, ValueError, OverflowError) as exc:
             raise InvalidTokens(f"{what}: not an array of token ids ({exc})") from None
+    if arr.ndim == 0 and arr.dtype.kind in "iu":
+        arr = arr.reshape(1)  # one token as a numpy or torch integer scalar
     if arr.ndim != 1:
-        raise InvalidTokens(f"{what}: expected a 1-D sequence of token ids, got shape {arr.shape}")
+        raise InvalidTokens(
+            f"{what}: expected a 1-D sequence of int token ids, got {type(tokens).__name__} of shape {arr.shape}"
+        )
     if arr.size == 0:
         raise InvalidTokens(f"{what}: empty; at least one token is required")
     if arr.dtype.kind not in "iu":

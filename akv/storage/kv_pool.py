@@ -104,7 +104,8 @@ class KVStorage:
 
     Raises:
         InvalidInput: A size is not a positive int, the dtype or device is
-            bad, or CUDA is requested where it is not available.
+            bad, CUDA is requested where it is not available, or the tensors
+            cannot be allocated.
     """
 
     def __init__(
@@ -143,9 +144,13 @@ class KVStorage:
         self.head_dim = head_dim
         shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
         # each: (2, num_blocks, block_size, num_kv_heads, head_dim), K then V
-        self.kv_caches: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
-        ]
+        try:
+            self.kv_caches: list[torch.Tensor] = [
+                torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
+            ]
+        except RuntimeError as exc:  # includes torch.OutOfMemoryError
+            nbytes = num_layers * 2 * num_blocks * block_size * num_kv_heads * head_dim * dtype.itemsize
+            raise InvalidInput(f"cannot allocate the KV pool ({nbytes / 2**30:,.2f} GiB on {device}): {exc}") from None
 
     @classmethod
     def from_config(cls, config: KVCacheConfig) -> KVStorage | None:
