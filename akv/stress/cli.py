@@ -134,7 +134,7 @@ def main_stress(args: argparse.Namespace) -> int:
     try:
         options = options_from_args(args)
     except ValueError as exc:
-        print(f"akv stress: error: {exc}", file=sys.stderr)
+        sys.stderr.write(f"akv stress: error: {exc}\n")
         return 2
     configure_logging(level=args.log_level, json_path=args.log_json)
     # Last resort against a hang inside a shielded call (a cancel scope cannot end it).
