@@ -49,7 +49,7 @@ class StressOptions:
     low_watermark: float = 0.10
     high_watermark: float = 0.15
     eviction_batch_blocks: int = 8
-    cancel_probability: float = 0.25
+    cancel_probability: float = 0.35
     max_retries: int = 40
     hang_timeout_s: float = 10.0
     fresh_manager_s: float = 1.0
