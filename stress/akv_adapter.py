@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from akv import Admit, KVCacheConfig, KVCacheManager, ModelShape
+from akv.obs import configure_logging
 
 
 class AkvAdapter:
@@ -42,6 +43,7 @@ class AkvAdapter:
 
     async def start(self) -> None:
         """Enter the manager (not timed by the harness)."""
+        configure_logging(level="warning")  # an application's choice: structlog's default prints debug events
         w = self.w
         config = KVCacheConfig(
             num_blocks=w.num_blocks - 1,  # the same usable count as vLLM (block 0 is its null block)
