@@ -15,7 +15,7 @@ from akv.core.block_table import BlockTableRow
 
 
 class GrowableInt32:
-    """Append-only int32 vector with amortized O(1) append and O(1) truncate.
+    """Append-only int32 vector with amortized O(1) append.
 
     Args:
         initial: Initial contents (copied), any int array-like.
@@ -42,21 +42,6 @@ class GrowableInt32:
         """The contents as Python ints."""
         return self._buf[: self._len].tolist()
 
-    def last(self) -> int:
-        """The last element. Raises IndexError when empty."""
-        if not self._len:
-            raise IndexError("empty")
-        return int(self._buf[self._len - 1])
-
-    def __getitem__(self, i: int) -> int:
-        if not -self._len <= i < self._len:
-            raise IndexError(i)
-        return int(self._buf[i % self._len])
-
-    def set(self, i: int, value: int) -> None:
-        """Overwrite element ``i`` (0 <= i < len)."""
-        self._buf[i] = value
-
     def append(self, value: int) -> None:
         """Append one element."""
         if self._len == len(self._buf):
@@ -72,10 +57,6 @@ class GrowableInt32:
             self._grow(n)
         self._buf[self._len : n] = values
         self._len = n
-
-    def truncate(self, length: int) -> None:
-        """Drop elements past ``length``."""
-        self._len = min(self._len, length)
 
     def copy(self) -> GrowableInt32:
         """An independent copy."""
