@@ -105,6 +105,8 @@ class KVCacheConfig:
         inbox_capacity: Bound of every actor's inbox (messages).
         debug_invariants: Check block-state conservation after every message
             (cheap counters) and raise on violation; for tests and stress runs.
+        eviction_policy: Which cached block to evict first, by name (see
+            :data:`akv.core.eviction_policy.EVICTION_POLICIES`; default ``"lru"``).
 
     Raises:
         ValueError: Any field out of range.
@@ -123,6 +125,7 @@ class KVCacheConfig:
     eviction_batch_blocks: int = 256
     inbox_capacity: int = 1024
     debug_invariants: bool = False
+    eviction_policy: str = "lru"
 
     def __post_init__(self) -> None:
         for field in ("num_blocks", "block_size", "vocab_size", "num_shards", "eviction_batch_blocks", "inbox_capacity"):

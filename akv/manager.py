@@ -109,7 +109,13 @@ class KVCacheManager:
             tracer=self._tracer,
         )
         for index, block_ids in enumerate(cfg.shard_ranges()):
-            state = ShardState(index, block_ids, cfg.block_size, enable_prefix_cache=cfg.enable_prefix_cache)
+            state = ShardState(
+                index,
+                block_ids,
+                cfg.block_size,
+                enable_prefix_cache=cfg.enable_prefix_cache,
+                eviction_policy=cfg.eviction_policy,
+            )
             self._shards.append(
                 PoolShardActor(
                     state,

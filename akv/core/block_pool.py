@@ -60,7 +60,9 @@ class BlockPool:
         "total_refs",
     )
 
-    def __init__(self, block_ids: range) -> None:
+    def __init__(self, block_ids: range, *, policy: str = "lru") -> None:
+        if policy != "lru":
+            raise ValueError(f"unknown eviction policy {policy!r}")
         if block_ids.step != 1 or len(block_ids) == 0:
             raise ValueError(f"block_ids must be a non-empty contiguous range, got {block_ids!r}")
         self.first_block_id = block_ids.start

@@ -112,13 +112,22 @@ class ShardState:
         block_ids: Global block ids owned by the shard.
         block_size: Tokens per block.
         enable_prefix_cache: Publish committed full blocks and match prompts.
+        eviction_policy: Eviction policy name, passed to :class:`BlockPool`.
     """
 
-    def __init__(self, shard_index: int, block_ids: range, block_size: int, *, enable_prefix_cache: bool = True) -> None:
+    def __init__(
+        self,
+        shard_index: int,
+        block_ids: range,
+        block_size: int,
+        *,
+        enable_prefix_cache: bool = True,
+        eviction_policy: str = "lru",
+    ) -> None:
         self.shard_index = shard_index
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
-        self.pool = BlockPool(block_ids)
+        self.pool = BlockPool(block_ids, policy=eviction_policy)
         self.tables = BlockTables()
         self.sequences: dict[Hashable, Sequence] = {}
         self.counters = ShardCounters()
