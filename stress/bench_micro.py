@@ -1,0 +1,433 @@
+"""Micro-benchmarks: actor ask round trip, per-step decode cost, and the actors' share of a step.
+
+Three measurements, all on this machine, one process:
+
+(a) **ask round trip**: ``await actor.ask(msg)`` to an :class:`akv.actors.runtime.Actor`
+    whose handler returns the message (echo), on asyncio, on uvloop (anyio
+    backend option ``use_uvloop``) and on trio (when installed). p50/p99 in µs.
+(b) **decode step through the manager**: ``KVCacheManager.step(commits=..., appends=...,
+    want_metadata=True)`` in metadata mode (``storage="none"``) with ``B`` running
+    sequences, each committing its previous token and appending one ``int`` token per
+    step (what ``stress/akv_adapter.py``'s decode does). Prompt lengths are staggered
+    (``prompt_len + i % block_size``), so in every step about ``B / block_size``
+    sequences cross a block boundary (a new block, and a full block published to the
+    prefix tree), as in steady continuous batching. p50/p99 µs per step and µs per
+    sequence-token (total time / (steps × B)).
+(c) **actor-free**: the same step sequence, built into the same
+    :class:`~akv.core.step.StepRequest` objects the manager sends its shard, applied
+    by :meth:`akv.core.shard_state.ShardState.step` driven synchronously against a
+    local :class:`~akv.core.radix_tree.RadixTree` (:func:`akv.core.shard_state.drive`).
+    The actor share of a step is ``1 - actor_free / manager`` (per-step medians); it
+    covers everything the manager adds around the shard's work: input validation,
+    the shard ask, the tree asks for publishing, spans, metrics, tensor wrapping. The
+    block tables and slot mappings of both paths are compared, step by step.
+
+Paths (b) and (c) alternate ``--repeats`` times per batch size so background load
+hits both alike; each cell is the median over the repeats.
+
+    python3 stress/bench_micro.py                       # ~1 min, JSON to stress/results/bench_micro.json
+    python3 stress/bench_micro.py --batches 1 64 --steps 100 --asks 2000 --repeats 1 --out /tmp/m.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+
+from akv import Admit, KVCacheConfig, KVCacheManager, ModelShape
+from akv.actors.runtime import Actor
+from akv.core.radix_tree import RadixTree
+from akv.core.shard_state import ShardState, drive
+from akv.core.step import StepRequest
+from akv.obs import configure_logging
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "stress" / "results" / "bench_micro.json"
+BACKENDS = ("asyncio", "uvloop", "trio")
+
+
+def pct(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile ``q`` (0-1) of ``values`` (peer_bench's definition)."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def run_on(backend: str, fn: Any, *args: Any) -> Any:
+    """``anyio.run(fn, *args)`` on ``asyncio``, ``uvloop`` (asyncio + uvloop) or ``trio``."""
+    if backend == "uvloop":
+        return anyio.run(fn, *args, backend="asyncio", backend_options={"use_uvloop": True})
+    return anyio.run(fn, *args, backend=backend)
+
+
+def available_backends() -> list[str]:
+    """Backends importable here (asyncio always)."""
+    out = ["asyncio"]
+    for name in ("uvloop", "trio"):
+        try:
+            __import__(name)
+        except ImportError:
+            continue
+        out.append(name)
+    return out
+
+
+# ----------------------------------------------------------------- (a) ask round trip
+
+
+class EchoActor(Actor):
+    """Replies with the message itself."""
+
+    async def handle(self, msg: Any) -> Any:
+        return msg
+
+
+async def _ask_loop(n: int, warmup: int) -> list[int]:
+    actor = EchoActor("echo", inbox_capacity=16)
+    pc = time.perf_counter_ns
+    times: list[int] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(actor.run)
+        await anyio.sleep(0)  # let the actor reach its wait
+        for i in range(warmup + n):
+            t = pc()
+            await actor.ask(i)
+            dt = pc() - t
+            if i >= warmup:
+                times.append(dt)
+        actor.close()
+    return times
+
+
+def ask_round_trip(backend: str, n: int = 20000, warmup: int = 1000) -> dict[str, Any]:
+    """p50/p99/mean µs of an echo ask on ``backend``."""
+    gc.collect()
+    times = run_on(backend, _ask_loop, n, warmup)
+    return {
+        "backend": backend,
+        "asks": n,
+        "p50_us": pct(times, 0.5) / 1e3,
+        "p99_us": pct(times, 0.99) / 1e3,
+        "mean_us": statistics.fmean(times) / 1e3,
+    }
+
+
+# ----------------------------------------------------------------- (b)/(c) decode steps
+
+
+@dataclass
+class DecodePlan:
+    """A deterministic decode workload: ``batch`` sequences, ``warmup + steps`` decode steps."""
+
+    batch: int
+    steps: int
+    warmup: int
+    block_size: int
+    num_blocks: int
+    vocab: int
+    prompts: list[np.ndarray]
+    #: Per decode step: (commits, appends) dicts, exactly what both paths receive.
+    inputs: list[tuple[dict[int, int], dict[int, int]]] = field(default_factory=list)
+
+
+def make_plan(
+    batch: int,
+    steps: int,
+    *,
+    warmup: int = 5,
+    prompt_len: int = 64,
+    block_size: int = 16,
+    vocab: int = 32000,
+    seed: int = 0,
+) -> DecodePlan:
+    """Unique prompts of ``prompt_len + i % block_size`` tokens, then ``warmup + steps`` one-token decode steps."""
+    rng = random.Random(seed)
+    prompts = [
+        np.array([rng.randrange(vocab) for _ in range(prompt_len + i % block_size)], dtype=np.int32)
+        for i in range(batch)
+    ]
+    total = warmup + steps
+    longest = prompt_len + block_size - 1 + total + 1
+    num_blocks = batch * -(-longest // block_size) + 16
+    plan = DecodePlan(batch, steps, warmup, block_size, num_blocks, vocab, prompts)
+    for k in range(total):
+        commits = {i: 1 for i in range(batch)} if k else {}
+        appends = {i: rng.randrange(vocab) for i in range(batch)}
+        plan.inputs.append((commits, appends))
+    return plan
+
+
+def _admits(plan: DecodePlan) -> list[Admit]:
+    return [Admit(seq_id=i, prompt=p, prefill_done=True) for i, p in enumerate(plan.prompts)]
+
+
+def _config(plan: DecodePlan) -> KVCacheConfig:
+    return KVCacheConfig(
+        num_blocks=plan.num_blocks,
+        block_size=plan.block_size,
+        model=ModelShape(name="bench-micro", num_layers=1, num_kv_heads=8, head_dim=128, dtype="float16"),
+        storage="none",
+        vocab_size=plan.vocab,
+    )
+
+
+@dataclass
+class PathRun:
+    """Per-step nanoseconds of the timed decode steps, plus (optionally) the metadata of every step."""
+
+    step_ns: list[int]
+    tables: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    tree_asks: int | None = None  # prefix-tree messages during the timed steps (manager path)
+
+
+async def _manager_run(plan: DecodePlan, record: bool) -> PathRun:
+    pc = time.perf_counter_ns
+    run = PathRun([])
+    async with KVCacheManager(_config(plan)) as kv:
+        res = await kv.step(admits=_admits(plan), want_metadata=True)
+        if res.rejected:
+            raise next(iter(res.rejected.values()))
+        if record:
+            run.tables.append((res.block_tables.numpy().copy(), res.slot_mapping.numpy().copy()))
+        tree = getattr(kv, "_tree", None)
+        gc.collect()
+        asks0 = 0
+        for k, (commits, appends) in enumerate(plan.inputs):
+            if k == plan.warmup:
+                asks0 = getattr(tree, "messages_handled", 0)
+            t = pc()
+            res = await kv.step(commits=commits, appends=appends, want_metadata=True)
+            dt = pc() - t
+            if res.rejected:
+                raise next(iter(res.rejected.values()))
+            if k >= plan.warmup:
+                run.step_ns.append(dt)
+            if record:
+                run.tables.append((res.block_tables.numpy().copy(), res.slot_mapping.numpy().copy()))
+        if tree is not None and hasattr(tree, "messages_handled"):
+            run.tree_asks = tree.messages_handled - asks0
+    return run
+
+
+def manager_run(plan: DecodePlan, record: bool = False, backend: str = "asyncio") -> PathRun:
+    """The plan through ``KVCacheManager.step`` (actors running) on ``backend``."""
+    return run_on(backend, _manager_run, plan, record)
+
+
+def actor_free_run(plan: DecodePlan, record: bool = False) -> PathRun:
+    """The plan through ``ShardState.step`` driven synchronously against a local ``RadixTree``."""
+    cfg = _config(plan)
+    (block_ids,) = cfg.shard_ranges()
+    state = ShardState(0, block_ids, plan.block_size, enable_prefix_cache=cfg.enable_prefix_cache)
+    tree = RadixTree()
+    out = drive(state.step(StepRequest(admits=_admits(plan), want_metadata=True)), tree)
+    if out.rejected:
+        raise next(iter(out.rejected.values()))
+    run = PathRun([])
+    if record:
+        run.tables.append((out.block_tables.copy(), out.slot_mapping.copy()))
+    requests = [StepRequest(commits=c, appends=a, want_metadata=True) for c, a in plan.inputs]
+    pc = time.perf_counter_ns
+    gc.collect()
+    for k, req in enumerate(requests):
+        t = pc()
+        out = drive(state.step(req), tree)
+        dt = pc() - t
+        if out.rejected:
+            raise next(iter(out.rejected.values()))
+        if k >= plan.warmup:
+            run.step_ns.append(dt)
+        if record:
+            run.tables.append((out.block_tables.copy(), out.slot_mapping.copy()))
+    return run
+
+
+def same_metadata(a: PathRun, b: PathRun) -> bool:
+    """Whether two recorded runs produced identical block tables and slot mappings at every step."""
+    if len(a.tables) != len(b.tables) or not a.tables:
+        return False
+    return all(np.array_equal(ta, tb) and np.array_equal(sa, sb) for (ta, sa), (tb, sb) in zip(a.tables, b.tables))
+
+
+def _summary(step_ns: list[int], batch: int) -> dict[str, float]:
+    return {
+        "p50_us": pct(step_ns, 0.5) / 1e3,
+        "p99_us": pct(step_ns, 0.99) / 1e3,
+        "us_per_seq_tok": sum(step_ns) / len(step_ns) / batch / 1e3,
+    }
+
+
+def bench_batch(
+    batch: int, steps: int, *, repeats: int = 3, backend: str = "asyncio", ask_p50_us: float | None = None
+) -> dict:
+    """(b) and (c) at one batch size: alternate manager and actor-free runs ``repeats`` times.
+
+    Every repeat records the metadata of both paths and compares them
+    (``same_metadata``); the timed numbers are medians over the repeats.
+    """
+    plan = make_plan(batch, steps)
+    mgr_runs, free_runs, same = [], [], True
+    for _ in range(repeats):
+        m = manager_run(plan, record=True, backend=backend)
+        f = actor_free_run(plan, record=True)
+        same = same and same_metadata(m, f)
+        mgr_runs.append((_summary(m.step_ns, batch), m.tree_asks))
+        free_runs.append(_summary(f.step_ns, batch))
+
+    def med(rows: list[dict], key: str) -> float:
+        return statistics.median(r[key] for r in rows)
+
+    mgr = {k: med([r for r, _ in mgr_runs], k) for k in ("p50_us", "p99_us", "us_per_seq_tok")}
+    free = {k: med(free_runs, k) for k in ("p50_us", "p99_us", "us_per_seq_tok")}
+    tree_asks = mgr_runs[0][1]
+    row = {
+        "batch": batch,
+        "steps": steps,
+        "repeats": repeats,
+        "manager": mgr,
+        "actor_free": free,
+        "actor_share_p50": 1 - free["p50_us"] / mgr["p50_us"],
+        "actor_share_mean": 1 - free["us_per_seq_tok"] / mgr["us_per_seq_tok"],
+        "tree_asks_per_step": None if tree_asks is None else tree_asks / steps,
+        "same_metadata": same,
+    }
+    if ask_p50_us is not None:
+        asks = 1 + (row["tree_asks_per_step"] or 0)
+        row["ask_fraction_of_step"] = ask_p50_us * asks / mgr["p50_us"]
+    return row
+
+
+def steps_for(batch: int, budget: int) -> int:
+    """Timed steps for ``batch``: about ``budget`` sequence-tokens, between 100 and 1000 steps."""
+    return max(100, min(1000, budget // batch))
+
+
+def akv_provenance() -> dict[str, Any]:
+    """Where the imported akv comes from: its path, and the git commit of the tree it lives in."""
+    import subprocess
+
+    import akv
+
+    src = Path(akv.__file__).resolve().parent
+    out: dict[str, Any] = {"akv_path": str(src)}
+    try:
+        git = ["git", "-C", str(src.parent)]
+        out["git_commit"] = subprocess.run(
+            [*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain", "--", str(src)], capture_output=True, text=True, check=True
+        ).stdout
+        out["akv_uncommitted_changes"] = bool(dirty.strip())
+    except (OSError, subprocess.CalledProcessError):
+        out["git_commit"] = None
+    return out
+
+
+def versions() -> dict[str, Any]:
+    out: dict[str, Any] = {"python": sys.version.split()[0], "uname": " ".join(platform.uname())}
+    for dist in ("akv", "anyio", "uvloop", "trio", "numpy", "torch"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            out[dist] = metadata.version(dist)
+    out.update(akv_provenance())
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    """All measurements; returns the JSON document."""
+    load0 = list(os.getloadavg())
+    backends = [b for b in args.backends if b in available_backends()]
+    asks = []
+    for b in backends:
+        asks.append(ask_round_trip(b, args.asks))
+        print(f"ask {b}: p50 {asks[-1]['p50_us']:.1f} µs, p99 {asks[-1]['p99_us']:.1f} µs", flush=True)
+    ask_p50 = next((a["p50_us"] for a in asks if a["backend"] == args.step_backend), None)
+    rows = []
+    for batch in args.batches:
+        steps = args.steps or steps_for(batch, args.seq_tokens)
+        row = bench_batch(batch, steps, repeats=args.repeats, backend=args.step_backend, ask_p50_us=ask_p50)
+        rows.append(row)
+        m, f = row["manager"], row["actor_free"]
+        print(
+            f"B={batch}: manager p50 {m['p50_us']:.0f} p99 {m['p99_us']:.0f} µs ({m['us_per_seq_tok']:.2f} µs/seq·tok), "
+            f"actor-free p50 {f['p50_us']:.0f} p99 {f['p99_us']:.0f} µs ({f['us_per_seq_tok']:.2f}); "
+            f"actor share {row['actor_share_p50']:.0%}, same metadata: {row['same_metadata']}",
+            flush=True,
+        )
+    return {
+        "command": "python3 stress/bench_micro.py " + " ".join(sys.argv[1:]),
+        "versions": versions(),
+        "cpu_count": os.cpu_count(),
+        "loadavg_before": load0,
+        "loadavg_after": list(os.getloadavg()),
+        "step_backend": args.step_backend,
+        "ask_round_trip": asks,
+        "decode_steps": rows,
+    }
+
+
+def table(doc: dict) -> str:
+    """Markdown tables of a result document."""
+    lines = ["| backend | ask p50 µs | ask p99 µs | mean µs |", "|---|---|---|---|"]
+    for a in doc["ask_round_trip"]:
+        lines.append(f"| {a['backend']} | {a['p50_us']:.1f} | {a['p99_us']:.1f} | {a['mean_us']:.1f} |")
+    lines += [
+        "",
+        "| B | steps | manager p50 µs | manager p99 µs | manager µs/seq·tok | actor-free p50 µs | actor-free p99 µs "
+        "| actor-free µs/seq·tok | actor share (p50) | tree asks/step | ask share | same metadata |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["decode_steps"]:
+        m, f = r["manager"], r["actor_free"]
+        asks = "" if r["tree_asks_per_step"] is None else f"{r['tree_asks_per_step']:.2f}"
+        ask_share = f"{r['ask_fraction_of_step']:.1%}" if "ask_fraction_of_step" in r else ""
+        lines.append(
+            f"| {r['batch']} | {r['steps']} | {m['p50_us']:.0f} | {m['p99_us']:.0f} | {m['us_per_seq_tok']:.2f} "
+            f"| {f['p50_us']:.0f} | {f['p99_us']:.0f} | {f['us_per_seq_tok']:.2f} | {r['actor_share_p50']:.0%} "
+            f"| {asks} | {ask_share} | {r['same_metadata']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256, 1024], help="decode batch sizes")
+    p.add_argument("--steps", type=int, default=0, help="timed steps per run (default: by batch, see --seq-tokens)")
+    p.add_argument("--seq-tokens", type=int, default=51200, help="sequence-tokens per run when --steps is 0")
+    p.add_argument("--repeats", type=int, default=3, help="alternating manager/actor-free runs per batch size")
+    p.add_argument("--asks", type=int, default=20000, help="timed asks per backend")
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS, help="ask backends")
+    p.add_argument("--step-backend", default="asyncio", choices=BACKENDS, help="event loop of the manager path")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="JSON output file ('' for none)")
+    args = p.parse_args(argv)
+    configure_logging(level="warning")
+    doc = run(args)
+    print()
+    print(table(doc))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"\nwrote {args.out}")
+    return 0 if all(r["same_metadata"] for r in doc["decode_steps"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
