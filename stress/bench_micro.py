@@ -22,8 +22,11 @@ Three measurements, all on this machine, one process:
     the shard ask, the tree asks for publishing, spans, metrics, tensor wrapping. The
     block tables and slot mappings of both paths are compared, step by step.
 
-Paths (b) and (c) alternate ``--repeats`` times per batch size so background load
-hits both alike; each cell is the median over the repeats.
+Paths (b) and (c) run in lockstep inside one process: each step goes through the
+manager and, right before or after it (alternating), through the actor-free
+path, so background load on a shared machine hits both alike. ``--repeats``
+such runs per batch size, steps pooled. The actor share is reported as the median
+of the per-step paired shares (robust to load) and from the means.
 
     python3 stress/bench_micro.py                       # ~1 min, JSON to stress/results/bench_micro.json
     python3 stress/bench_micro.py --batches 1 64 --steps 100 --asks 2000 --repeats 1 --out /tmp/m.json
@@ -198,61 +201,104 @@ class PathRun:
     tree_asks: int | None = None  # prefix-tree messages during the timed steps (manager path)
 
 
-async def _manager_run(plan: DecodePlan, record: bool) -> PathRun:
+class _ActorFree:
+    """The actor-free path: one ``ShardState`` and a local ``RadixTree``, configured as the manager's shard."""
+
+    def __init__(self, plan: DecodePlan) -> None:
+        cfg = _config(plan)
+        (block_ids,) = cfg.shard_ranges()
+        self.state = ShardState(0, block_ids, plan.block_size, enable_prefix_cache=cfg.enable_prefix_cache)
+        self.tree = RadixTree()
+
+    def step(self, req: StepRequest):
+        out = drive(self.state.step(req), self.tree)
+        if out.rejected:
+            raise next(iter(out.rejected.values()))
+        return out
+
+
+def _requests(plan: DecodePlan) -> list[StepRequest]:
+    """The StepRequests the manager builds from the plan's inputs (built ahead, outside the timing)."""
+    return [StepRequest(commits=c, appends=a, want_metadata=True) for c, a in plan.inputs]
+
+
+async def _manager_run(plan: DecodePlan, record: bool, paired: bool) -> tuple[PathRun, PathRun | None]:
     pc = time.perf_counter_ns
     run = PathRun([])
+    free_run = PathRun([]) if paired else None
+    free = _ActorFree(plan) if paired else None
+    requests = _requests(plan) if paired else []
     async with KVCacheManager(_config(plan)) as kv:
         res = await kv.step(admits=_admits(plan), want_metadata=True)
         if res.rejected:
             raise next(iter(res.rejected.values()))
         if record:
             run.tables.append((res.block_tables.numpy().copy(), res.slot_mapping.numpy().copy()))
+        if free is not None:
+            out = free.step(StepRequest(admits=_admits(plan), want_metadata=True))
+            if record:
+                free_run.tables.append((out.block_tables.copy(), out.slot_mapping.copy()))
         tree = getattr(kv, "_tree", None)
         gc.collect()
         asks0 = 0
         for k, (commits, appends) in enumerate(plan.inputs):
             if k == plan.warmup:
                 asks0 = getattr(tree, "messages_handled", 0)
+            # Paired: the actor-free step runs right before (odd k) or after (even k) the manager's.
+            if free is not None and k % 2:
+                t = pc()
+                out = free.step(requests[k])
+                dt_free = pc() - t
             t = pc()
             res = await kv.step(commits=commits, appends=appends, want_metadata=True)
             dt = pc() - t
+            if free is not None and not k % 2:
+                t = pc()
+                out = free.step(requests[k])
+                dt_free = pc() - t
             if res.rejected:
                 raise next(iter(res.rejected.values()))
             if k >= plan.warmup:
                 run.step_ns.append(dt)
+                if free is not None:
+                    free_run.step_ns.append(dt_free)
             if record:
                 run.tables.append((res.block_tables.numpy().copy(), res.slot_mapping.numpy().copy()))
+                if free is not None:
+                    free_run.tables.append((out.block_tables.copy(), out.slot_mapping.copy()))
         if tree is not None and hasattr(tree, "messages_handled"):
             run.tree_asks = tree.messages_handled - asks0
-    return run
+    return run, free_run
 
 
 def manager_run(plan: DecodePlan, record: bool = False, backend: str = "asyncio") -> PathRun:
     """The plan through ``KVCacheManager.step`` (actors running) on ``backend``."""
-    return run_on(backend, _manager_run, plan, record)
+    return run_on(backend, _manager_run, plan, record, False)[0]
+
+
+def paired_run(plan: DecodePlan, record: bool = False, backend: str = "asyncio") -> tuple[PathRun, PathRun]:
+    """Both paths in lockstep: every step through the manager and, right next to it, through the actor-free path.
+
+    The order alternates per step, so load on a shared machine hits both
+    paths alike and the per-step times can be compared pair by pair.
+    """
+    return run_on(backend, _manager_run, plan, record, True)
 
 
 def actor_free_run(plan: DecodePlan, record: bool = False) -> PathRun:
     """The plan through ``ShardState.step`` driven synchronously against a local ``RadixTree``."""
-    cfg = _config(plan)
-    (block_ids,) = cfg.shard_ranges()
-    state = ShardState(0, block_ids, plan.block_size, enable_prefix_cache=cfg.enable_prefix_cache)
-    tree = RadixTree()
-    out = drive(state.step(StepRequest(admits=_admits(plan), want_metadata=True)), tree)
-    if out.rejected:
-        raise next(iter(out.rejected.values()))
+    free = _ActorFree(plan)
+    out = free.step(StepRequest(admits=_admits(plan), want_metadata=True))
     run = PathRun([])
     if record:
         run.tables.append((out.block_tables.copy(), out.slot_mapping.copy()))
-    requests = [StepRequest(commits=c, appends=a, want_metadata=True) for c, a in plan.inputs]
+    requests = _requests(plan)
     pc = time.perf_counter_ns
     gc.collect()
     for k, req in enumerate(requests):
         t = pc()
-        out = drive(state.step(req), tree)
+        out = free.step(req)
         dt = pc() - t
-        if out.rejected:
-            raise next(iter(out.rejected.values()))
         if k >= plan.warmup:
             run.step_ns.append(dt)
         if record:
@@ -272,32 +318,33 @@ def _summary(step_ns: list[int], batch: int) -> dict[str, float]:
         "p50_us": pct(step_ns, 0.5) / 1e3,
         "p99_us": pct(step_ns, 0.99) / 1e3,
         "us_per_seq_tok": sum(step_ns) / len(step_ns) / batch / 1e3,
+        "p50_us_per_seq_tok": pct(step_ns, 0.5) / batch / 1e3,
     }
 
 
 def bench_batch(
     batch: int, steps: int, *, repeats: int = 3, backend: str = "asyncio", ask_p50_us: float | None = None
 ) -> dict:
-    """(b) and (c) at one batch size: alternate manager and actor-free runs ``repeats`` times.
+    """(b) and (c) at one batch size: ``repeats`` paired runs (:func:`paired_run`), steps pooled.
 
-    Every repeat records the metadata of both paths and compares them
-    (``same_metadata``); the timed numbers are medians over the repeats.
+    Every run records the metadata of both paths and compares them
+    (``same_metadata``). The actor share is reported three ways: from the
+    per-step medians (``actor_share_p50``), from the means
+    (``actor_share_mean``) and as the median over steps of the paired
+    per-step share ``1 - actor_free_k / manager_k`` (``actor_share_paired``,
+    the most robust to background load).
     """
     plan = make_plan(batch, steps)
-    mgr_runs, free_runs, same = [], [], True
+    mgr_ns: list[int] = []
+    free_ns: list[int] = []
+    same, tree_asks = True, None
     for _ in range(repeats):
-        m = manager_run(plan, record=True, backend=backend)
-        f = actor_free_run(plan, record=True)
+        m, f = paired_run(plan, record=True, backend=backend)
         same = same and same_metadata(m, f)
-        mgr_runs.append((_summary(m.step_ns, batch), m.tree_asks))
-        free_runs.append(_summary(f.step_ns, batch))
-
-    def med(rows: list[dict], key: str) -> float:
-        return statistics.median(r[key] for r in rows)
-
-    mgr = {k: med([r for r, _ in mgr_runs], k) for k in ("p50_us", "p99_us", "us_per_seq_tok")}
-    free = {k: med(free_runs, k) for k in ("p50_us", "p99_us", "us_per_seq_tok")}
-    tree_asks = mgr_runs[0][1]
+        mgr_ns += m.step_ns
+        free_ns += f.step_ns
+        tree_asks = m.tree_asks
+    mgr, free = _summary(mgr_ns, batch), _summary(free_ns, batch)
     row = {
         "batch": batch,
         "steps": steps,
@@ -306,6 +353,7 @@ def bench_batch(
         "actor_free": free,
         "actor_share_p50": 1 - free["p50_us"] / mgr["p50_us"],
         "actor_share_mean": 1 - free["us_per_seq_tok"] / mgr["us_per_seq_tok"],
+        "actor_share_paired": statistics.median(1 - fk / mk for mk, fk in zip(mgr_ns, free_ns)),
         "tree_asks_per_step": None if tree_asks is None else tree_asks / steps,
         "same_metadata": same,
     }
@@ -343,7 +391,7 @@ def akv_provenance() -> dict[str, Any]:
 
 
 def versions() -> dict[str, Any]:
-    out: dict[str, Any] = {"python": sys.version.split()[0], "uname": " ".join(platform.uname())}
+    out: dict[str, Any] = {"python": sys.version.split()[0], "uname": " ".join(platform.uname()).strip()}
     for dist in ("akv", "anyio", "uvloop", "trio", "numpy", "torch"):
         with contextlib.suppress(metadata.PackageNotFoundError):
             out[dist] = metadata.version(dist)
@@ -369,7 +417,7 @@ def run(args: argparse.Namespace) -> dict:
         print(
             f"B={batch}: manager p50 {m['p50_us']:.0f} p99 {m['p99_us']:.0f} µs ({m['us_per_seq_tok']:.2f} µs/seq·tok), "
             f"actor-free p50 {f['p50_us']:.0f} p99 {f['p99_us']:.0f} µs ({f['us_per_seq_tok']:.2f}); "
-            f"actor share {row['actor_share_p50']:.0%}, same metadata: {row['same_metadata']}",
+            f"actor share {row['actor_share_paired']:.0%} (paired), same metadata: {row['same_metadata']}",
             flush=True,
         )
     return {
@@ -392,8 +440,8 @@ def table(doc: dict) -> str:
     lines += [
         "",
         "| B | steps | manager p50 µs | manager p99 µs | manager µs/seq·tok | actor-free p50 µs | actor-free p99 µs "
-        "| actor-free µs/seq·tok | actor share (p50) | tree asks/step | ask share | same metadata |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| actor-free µs/seq·tok | actor share (paired) | actor share (mean) | tree asks/step | ask share | same metadata |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["decode_steps"]:
         m, f = r["manager"], r["actor_free"]
@@ -401,7 +449,7 @@ def table(doc: dict) -> str:
         ask_share = f"{r['ask_fraction_of_step']:.1%}" if "ask_fraction_of_step" in r else ""
         lines.append(
             f"| {r['batch']} | {r['steps']} | {m['p50_us']:.0f} | {m['p99_us']:.0f} | {m['us_per_seq_tok']:.2f} "
-            f"| {f['p50_us']:.0f} | {f['p99_us']:.0f} | {f['us_per_seq_tok']:.2f} | {r['actor_share_p50']:.0%} "
+            f"| {f['p50_us']:.0f} | {f['p99_us']:.0f} | {f['us_per_seq_tok']:.2f} | {r['actor_share_paired']:.0%} | {r['actor_share_mean']:.0%} "
             f"| {asks} | {ask_share} | {r['same_metadata']} |"
         )
     return "\n".join(lines)

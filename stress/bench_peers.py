@@ -410,7 +410,7 @@ def versions(pb: Any) -> dict:
     for dist in ("akv", "numpy", "anyio", "uvloop"):
         with contextlib.suppress(metadata.PackageNotFoundError):
             out[dist] = metadata.version(dist)
-    out["uname"] = " ".join(platform.uname())
+    out["uname"] = " ".join(platform.uname()).strip()
     out["cpu_count"] = os.cpu_count()
     akv = sys.modules.get("akv")
     if akv is not None:

@@ -48,6 +48,15 @@ def test_actor_free_path_matches_manager_path() -> None:
     assert not bench_micro.same_metadata(mgr, free)
 
 
+def test_paired_run_steps_both_paths_in_lockstep() -> None:
+    plan = bench_micro.make_plan(4, 9, warmup=1, prompt_len=5, block_size=4, vocab=1000)
+    mgr, free = bench_micro.paired_run(plan, record=True)
+    assert len(mgr.step_ns) == len(free.step_ns) == 9
+    assert all(ns > 0 for ns in mgr.step_ns + free.step_ns)
+    assert bench_micro.same_metadata(mgr, free)
+    assert bench_micro.same_metadata(mgr, bench_micro.actor_free_run(plan, record=True))
+
+
 def test_ask_round_trip_positive() -> None:
     row = bench_micro.ask_round_trip("asyncio", n=50, warmup=5)
     assert row["backend"] == "asyncio" and row["asks"] == 50
@@ -85,7 +94,7 @@ def test_main_writes_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         for path in ("manager", "actor_free"):
             assert 0 < row[path]["p50_us"] <= row[path]["p99_us"]
             assert row[path]["us_per_seq_tok"] > 0
-        assert row["actor_share_p50"] < 1
+        assert row["actor_share_p50"] < 1 and row["actor_share_paired"] < 1
         assert row["ask_fraction_of_step"] > 0
     assert "| asyncio |" in bench_micro.table(doc)
 
