@@ -7,8 +7,8 @@
         ...
         result = await kv.step(commits={"req-1": n}, appends={"req-1": [tok]})
 
-Every call is one message per shard (plus the shard's one tree message), so a
-scheduler pays the actor round trip once per step, not per token. Calls are
+Every call is one message per shard (each shard owns its blocks' prefix tree),
+so a scheduler pays the actor round trip once per step, not per token. Calls are
 atomic with respect to cancellation: once sent, a call runs to completion in
 its actor (the wait is shielded) and the cancellation is re-raised right after,
 so a cancelled caller never leaves a half-applied operation; cleaning up by id
@@ -29,12 +29,10 @@ import structlog
 import torch
 
 from akv.actors.eviction_loop import EvictionLoop
-from akv.actors.messages import Check, Inspect, Stats, Step, Validate
+from akv.actors.messages import Check, Inspect, Lookup, Stats, Step, Validate
 from akv.actors.pool_shard import PoolShardActor, SequenceInfo, ShardStats
-from akv.actors.prefix_tree import PrefixTreeActor
 from akv.actors.runtime import Actor
 from akv.config import KVCacheConfig
-from akv.core.radix_tree import block_keys
 from akv.core.shard_state import ShardState
 from akv.core.step import Admit, StepOutcome, StepRequest
 from akv.core.tokens import as_token_array
@@ -98,7 +96,6 @@ class KVCacheManager:
         self.storage = KVStorage.from_config(cfg)
         self._executor = CopyExecutor(self.storage)
         self._executor.on_failure = self._on_copy_failure
-        self._tree = PrefixTreeActor(cfg.inbox_capacity, self._logger)
         self._eviction = EvictionLoop(
             self._shards,
             low_watermark=cfg.low_watermark,
@@ -119,7 +116,6 @@ class KVCacheManager:
             self._shards.append(
                 PoolShardActor(
                     state,
-                    self._tree,
                     self._executor,
                     low_watermark=cfg.low_watermark,
                     wake_eviction=self._eviction.wake,
@@ -130,7 +126,7 @@ class KVCacheManager:
                     tracer=self._tracer,
                 )
             )
-        self._actors: list[Actor] = [self._tree, *self._shards]
+        self._actors: list[Actor] = [*self._shards]
         for actor in self._actors:
             actor.on_crash = self._on_crash
         self._stopped = {actor.name: anyio.Event() for actor in self._actors}
@@ -164,8 +160,6 @@ class KVCacheManager:
                 shard.close()
             for shard in self._shards:
                 await self._stopped[shard.name].wait()
-            self._tree.close()
-            await self._stopped[self._tree.name].wait()
             self._executor.close(drain=self._failure is None)
         try:
             # Every task has ended by now; the caller's own exception (if any)
@@ -647,11 +641,8 @@ class KVCacheManager:
         self._check_running()
         _check_id(namespace, "namespace")
         arr = as_token_array(prompt, self.config.vocab_size, what="prompt")
-        bs = self.config.block_size
-        keys = block_keys(arr, bs, (len(arr) - 1) // bs)
-        ops = [("lookup", (shard.state.shard_index, namespace), keys) for shard in self._shards]
-        results = await self._ask(self._tree, ops)
-        return max(results) * bs
+        results = [await self._ask(shard, Lookup(namespace, arr)) for shard in self._shards]
+        return max(results) * self.config.block_size
 
     async def sequence(self, seq_id: Hashable) -> SequenceInfo:
         """Snapshot of one sequence (tokens, block table, counts).
@@ -679,7 +670,7 @@ class KVCacheManager:
         """Snapshot of block states, counters and actor inbox depths."""
         self._check_running()
         shard_stats: list[ShardStats] = [await self._ask(s, Stats()) for s in self._shards]
-        (tree_blocks,) = await self._ask(self._tree, [("size",)])
+        tree_blocks = sum(s.prefix_cache_blocks for s in shard_stats)
         c = [s.counters for s in shard_stats]
         prompt = sum(x.prompt_tokens for x in c)
         cached = sum(x.cached_tokens for x in c)

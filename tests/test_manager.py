@@ -161,7 +161,7 @@ async def test_every_public_call_counts_exactly(tiny_config) -> None:
         assert await kv.add_sequence("a", prompt) == 0
         assert kv.usage == 3 / 16
         assert kv.blocks_in_use == 3
-        assert kv.inbox_depths == {"prefix_tree": 0, "pool_shard_0": 0}
+        assert kv.inbox_depths == {"pool_shard_0": 0}
         info = await kv.sequence("a")
         assert info.block_ids == (0, 1, 2)
         assert (info.num_tokens, info.num_computed, info.num_cached_tokens, info.parent_id) == (10, 0, 0, None)
@@ -809,7 +809,7 @@ async def test_two_shards_route_and_keep_forks_in_the_parent_shard(tiny_config) 
         stats = await kv.stats()
         assert stats.num_sequences == 4
         assert stats.free + stats.active + stats.cached == 16
-        assert stats.max_inbox_depth.keys() == {"prefix_tree", "pool_shard_0", "pool_shard_1"}
+        assert stats.max_inbox_depth.keys() == {"pool_shard_0", "pool_shard_1"}
         for sid in ("a", "a1", "a2", "b"):
             assert await kv.free(sid) is True
         assert await kv.free("a") is False

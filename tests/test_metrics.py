@@ -79,10 +79,7 @@ async def test_counters_equal_stats_after_a_manual_workload(tiny_config) -> None
         assert value(samples, "akv_step_latency_seconds_count") == 7
         assert value(samples, "akv_copy_bytes_count") == 1
         assert value(samples, "akv_copy_bytes_sum") == kv.config.bytes_per_block
-        assert {k[1] for k in samples if k[0] == "akv_actor_inbox_depth"} == {
-            (("actor", "prefix_tree"),),
-            (("actor", "pool_shard_0"),),
-        }
+        assert {k[1] for k in samples if k[0] == "akv_actor_inbox_depth"} == {(("actor", "pool_shard_0"),)}
     # The registry stays readable after exit: final values.
     assert_agrees(scrape(kv.metrics_registry), stats)
 

@@ -5,7 +5,7 @@ event when it drops below ``low_watermark``. The loop then asks that shard to
 evict least recently used cached leaves in batches of
 ``eviction_batch_blocks`` until its free fraction reaches ``high_watermark``
 or nothing is left to evict, logging one ``eviction.batch`` line per batch.
-It asks only the shards (which ask only the tree), so no ask cycle exists.
+It asks only the shards (which ask nobody), so no ask cycle exists.
 
 Eviction here is pressure relief, not an error path: an allocation that finds
 too few free blocks also evicts on demand inside its shard.

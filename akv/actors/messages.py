@@ -6,6 +6,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from akv.core.step import StepRequest
 
 
@@ -35,6 +37,14 @@ class Evict:
 
 
 @dataclass(frozen=True, slots=True)
+class Lookup:
+    """Reply the number of leading full blocks of ``prompt`` (int32 ``(n,)``) cached now; no side effects."""
+
+    namespace: Hashable
+    prompt: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
 class Inspect:
     """Reply a :class:`~akv.actors.pool_shard.SequenceInfo` snapshot of one sequence."""
 
@@ -48,4 +58,4 @@ class Stats:
 
 @dataclass(frozen=True, slots=True)
 class Check:
-    """Run the full consistency check, against a tree snapshot taken inside the handler; reply None or raise."""
+    """Run the full consistency check of the shard and its prefix tree; reply None or raise."""

@@ -1,8 +1,11 @@
-"""Pool shard actor: owns one shard's blocks, refcounts, free queue, LRU and sequences.
+"""Pool shard actor: owns one shard's blocks, refcounts, free queue, eviction order, sequences and prefix tree.
 
 A thin shell around :class:`~akv.core.shard_state.ShardState`: it decodes a
 message, runs one core method, and answers the tree operations that method
-yields by asking the prefix-tree actor (the only actor it asks). Copy-on-write
+yields from its own :class:`~akv.core.radix_tree.RadixTree`. Prefix hits are
+shard-local (namespace keys carry the shard index), so each shard owning the
+tree of its own blocks loses nothing and saves a second actor hop per step
+(see docs/architecture.md, "One actor per step"). Copy-on-write
 copies go to the stream worker's executor (a non-blocking, thread-safe
 submit), and their source and destination blocks stay pinned until the copy
 has run: neither can be handed out again while the copy may still read or
@@ -18,10 +21,10 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from akv.actors.messages import Check, Evict, Inspect, Stats, Step, Validate
-from akv.actors.prefix_tree import PrefixTreeActor
+from akv.actors.messages import Check, Evict, Inspect, Lookup, Stats, Step, Validate
 from akv.actors.runtime import Actor
-from akv.core.shard_state import ShardCounters, ShardState, TreeGen
+from akv.core.radix_tree import RadixTree
+from akv.core.shard_state import ShardCounters, ShardState, TreeGen, apply_tree_ops, drive
 from akv.core.step import StepOutcome, StepRequest
 from akv.errors import AkvError, PoolExhausted
 from akv.obs.tracing import AkvTracer
@@ -68,6 +71,7 @@ class ShardStats:
     counters: ShardCounters
     max_inbox_depth: int
     blocks_freed: int = 0
+    prefix_cache_blocks: int = 0
 
 
 class PoolShardActor(Actor):
@@ -75,7 +79,6 @@ class PoolShardActor(Actor):
 
     Args:
         state: The shard's core state (owned from now on by this actor alone).
-        tree: The prefix-tree actor.
         copy_executor: Stream worker executor with ``submit(src, dst) -> ticket``.
         low_watermark: Free fraction below which ``wake_eviction`` is called.
         wake_eviction: Callback that wakes the eviction loop (must not block).
@@ -89,7 +92,6 @@ class PoolShardActor(Actor):
     def __init__(
         self,
         state: ShardState,
-        tree: PrefixTreeActor,
         copy_executor: Any,
         *,
         low_watermark: float,
@@ -103,7 +105,8 @@ class PoolShardActor(Actor):
         super().__init__(f"pool_shard_{state.shard_index}", inbox_capacity, logger)
         self.log = self.log.bind(shard=state.shard_index)
         self.state = state
-        self.tree = tree
+        #: The prefix cache index of this shard's blocks.
+        self.tree = RadixTree()
         self.copy_executor = copy_executor
         self.low_watermark = low_watermark
         self.wake_eviction = wake_eviction
@@ -119,12 +122,12 @@ class PoolShardActor(Actor):
         self.blocks_available = state.pool.num_blocks
 
     async def handle(self, msg: Any) -> Any:
-        """Serve :class:`Step`, :class:`Evict`, :class:`Inspect`, :class:`Stats` or :class:`Check`."""
+        """Serve :class:`Step`, :class:`Validate`, :class:`Evict`, :class:`Lookup`, :class:`Inspect`, :class:`Stats` or :class:`Check`."""
         self._settle_copies()
         if isinstance(msg, Step):
             with self.tracer.span("akv.shard_step", context=msg.context) as span:
                 allocated = self.state.counters.blocks_allocated
-                outcome: StepOutcome = await self._drive(self.state.step(msg.request))
+                outcome: StepOutcome = drive(self.state.step(msg.request), self.tree)
                 ticket = self._submit_copies(outcome) if outcome.copies else None
                 if span.is_recording():
                     span.set_attributes(
@@ -143,15 +146,16 @@ class PoolShardActor(Actor):
             self.state.validate(msg.request)
             result = None
         elif isinstance(msg, Evict):
-            result = await self._drive(self.state.evict(msg.max_blocks))
+            result = drive(self.state.evict(msg.max_blocks), self.tree)
+        elif isinstance(msg, Lookup):
+            (result,) = apply_tree_ops(self.tree, [self.state.lookup_op(msg.namespace, msg.prompt)])
         elif isinstance(msg, Inspect):
             result = self._inspect(msg.seq_id)
         elif isinstance(msg, Stats):
             result = self._stats()
         elif isinstance(msg, Check):
-            # The snapshot is taken while this shard serves nothing else, so no
-            # eviction batch can fall between it and the check.
-            self.state.check(await self.tree.ask(("snapshot",)))
+            self.tree.check()
+            self.state.check(self.tree.block_ids())
             result = None
         else:
             raise TypeError(f"{self.name}: unknown message {type(msg).__name__}")
@@ -221,14 +225,6 @@ class PoolShardActor(Actor):
                     num_blocks=err.num_blocks,
                 )
 
-    async def _drive(self, gen: TreeGen) -> Any:
-        try:
-            ops = next(gen)
-            while True:
-                ops = gen.send(await self.tree.ask(ops))
-        except StopIteration as stop:
-            return stop.value
-
     def _settle_copies(self) -> None:
         if not self._pinned:
             return
@@ -260,7 +256,7 @@ class PoolShardActor(Actor):
             num_cached_tokens=seq.num_cached_tokens,
             num_published_blocks=seq.num_published,
             block_ids=tuple(seq.block_ids.tolist()),
-            token_ids=tuple(seq.tokens.tolist()),
+            token_ids=tuple(self.state.token_ids(seq).tolist()),
             parent_id=seq.parent_id,
         )
 
@@ -278,4 +274,5 @@ class PoolShardActor(Actor):
             counters=ShardCounters(**{f: getattr(c, f) for f in c.__slots__}),
             max_inbox_depth=self.max_inbox_depth,
             blocks_freed=pool.blocks_freed,
+            prefix_cache_blocks=len(self.tree),
         )

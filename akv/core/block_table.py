@@ -1,11 +1,16 @@
-"""Block tables of one shard, kept as rows of one growable 2-D int32 array.
+"""Per-sequence rows of one shard: block tables and token counts as growable numpy arrays.
 
 A model runner needs, every step, a padded ``[batch, max_blocks]`` int32
 block table for the scheduled sequences. Keeping every sequence's table as a
 row of one array makes that a single fancy-index gather (``array[rows, :w]``)
 instead of a rebuild from per-sequence lists; appending a block is one element
-write. Rows are recycled through a free list and zeroed when released, so the
-padding past a row's length is always 0.
+write. Beside the table, per-row vectors hold what a decode step reads and
+writes for every sequence (blocks held, tokens, tokens committed, whether the
+tail block may be shared), so a whole batch is updated with a few vectorized
+operations and no per-sequence Python work (the layout of vLLM v1's
+``InputBatch``/``BlockTable``: ``vllm/v1/worker/block_table.py``). Rows are
+recycled through a free list and zeroed when released, so the padding past a
+row's length is always 0.
 """
 
 from __future__ import annotations
@@ -14,23 +19,36 @@ import numpy as np
 
 
 class BlockTables:
-    """Rows of block ids, one per live sequence.
+    """Rows of block ids and per-row counters, one row per live sequence.
 
     Args:
         rows: Initial row capacity (sequences); doubles on demand.
         cols: Initial column capacity (blocks per sequence); doubles on demand.
+
+    Attributes:
+        array: int32 ``(row_capacity, col_capacity)``; row ``r`` holds one
+            sequence's block ids in logical order, 0-padded.
+        lens: int64 ``(row_capacity,)`` blocks held by each row.
+        num_tokens: int64 ``(row_capacity,)`` tokens in each row's history.
+        num_computed: int64 ``(row_capacity,)`` tokens whose K/V the runner committed.
+        shared_tail: bool ``(row_capacity,)``: the row's last block may also be
+            held by another row (set by a fork, cleared once the row writes a
+            block of its own); a decode step checks the refcount only there.
     """
 
-    __slots__ = ("_free_rows", "_next_row", "array")
+    __slots__ = ("_free_rows", "_next_row", "array", "lens", "num_computed", "num_tokens", "shared_tail")
 
     def __init__(self, rows: int = 64, cols: int = 64) -> None:
-        #: (row_capacity, col_capacity) int32; row r holds one sequence's block ids.
         self.array = np.zeros((rows, cols), dtype=np.int32)
+        self.lens = np.zeros(rows, dtype=np.int64)
+        self.num_tokens = np.zeros(rows, dtype=np.int64)
+        self.num_computed = np.zeros(rows, dtype=np.int64)
+        self.shared_tail = np.zeros(rows, dtype=bool)
         self._free_rows: list[int] = []
         self._next_row = 0
 
     def new_row(self) -> BlockTableRow:
-        """An empty row for a new sequence."""
+        """An empty row for a new sequence (all counters 0)."""
         if self._free_rows:
             row = self._free_rows.pop()
         else:
@@ -41,10 +59,14 @@ class BlockTables:
         return BlockTableRow(self, row)
 
     def release(self, row: BlockTableRow) -> None:
-        """Zero ``row`` and recycle it."""
-        self.array[row.row, : row.n] = 0
-        row.n = 0
-        self._free_rows.append(row.row)
+        """Zero ``row`` and its counters and recycle it."""
+        r = row.row
+        self.array[r, : self.lens[r]] = 0
+        self.lens[r] = 0
+        self.num_tokens[r] = 0
+        self.num_computed[r] = 0
+        self.shared_tail[r] = False
+        self._free_rows.append(r)
 
     def gather(self, rows: np.ndarray, width: int) -> np.ndarray:
         """Padded block tables of ``rows``: int32 ``(len(rows), width)``, a new array."""
@@ -54,7 +76,8 @@ class BlockTables:
             return out
         return self.array[rows, :width]
 
-    def _ensure_cols(self, cols: int) -> None:
+    def ensure_cols(self, cols: int) -> None:
+        """Grow the column capacity to at least ``cols`` blocks."""
         if cols > self.array.shape[1]:
             self._resize(self.array.shape[0], max(cols, 2 * self.array.shape[1]))
 
@@ -63,37 +86,48 @@ class BlockTables:
         r, c = self.array.shape
         grown[:r, :c] = self.array
         self.array = grown
+        if rows > r:
+            for name in ("lens", "num_tokens", "num_computed", "shared_tail"):
+                old = getattr(self, name)
+                new = np.zeros(rows, dtype=old.dtype)
+                new[:r] = old
+                setattr(self, name, new)
 
 
 class BlockTableRow:
     """One sequence's block table: block ids in logical order (a row of :class:`BlockTables`)."""
 
-    __slots__ = ("n", "owner", "row")
+    __slots__ = ("owner", "row")
 
     def __init__(self, owner: BlockTables, row: int) -> None:
         self.owner = owner
         self.row = row
-        self.n = 0
+
+    @property
+    def n(self) -> int:
+        """Blocks in the row."""
+        return int(self.owner.lens[self.row])
 
     def __len__(self) -> int:
-        return self.n
+        return int(self.owner.lens[self.row])
 
     def view(self) -> np.ndarray:
         """The block ids, int32 ``(n,)``; a view valid until the next append."""
-        return self.owner.array[self.row, : self.n]
+        return self.owner.array[self.row, : self.owner.lens[self.row]]
 
     def tolist(self) -> list[int]:
         """The block ids as Python ints."""
-        return self.owner.array[self.row, : self.n].tolist()
+        return self.owner.array[self.row, : self.owner.lens[self.row]].tolist()
 
     def last(self) -> int:
         """The last block id. Raises IndexError when empty."""
-        if not self.n:
+        n = self.owner.lens[self.row]
+        if not n:
             raise IndexError("empty block table")
-        return int(self.owner.array[self.row, self.n - 1])
+        return int(self.owner.array[self.row, n - 1])
 
     def __getitem__(self, i: int) -> int:
-        if not 0 <= i < self.n:
+        if not 0 <= i < self.owner.lens[self.row]:
             raise IndexError(i)
         return int(self.owner.array[self.row, i])
 
@@ -106,14 +140,18 @@ class BlockTableRow:
         k = len(block_ids)
         if not k:
             return
-        n = self.n + k
-        self.owner._ensure_cols(n)
-        self.owner.array[self.row, self.n : n] = block_ids
-        self.n = n
+        owner, r = self.owner, self.row
+        start = int(owner.lens[r])
+        n = start + k
+        owner.ensure_cols(n)
+        owner.array[r, start:n] = block_ids
+        owner.lens[r] = n
 
     def copy_to(self, other: BlockTableRow) -> None:
-        """Make ``other`` (an empty row of the same owner) a copy of this row."""
-        self.owner._ensure_cols(self.n)
-        arr = self.owner.array
-        arr[other.row, : self.n] = arr[self.row, : self.n]
-        other.n = self.n
+        """Make ``other`` (an empty row of the same owner) a copy of this row: blocks and counters."""
+        owner, src, dst = self.owner, self.row, other.row
+        n = owner.lens[src]
+        owner.array[dst, :n] = owner.array[src, :n]
+        owner.lens[dst] = n
+        owner.num_tokens[dst] = owner.num_tokens[src]
+        owner.num_computed[dst] = owner.num_computed[src]

@@ -106,6 +106,13 @@ class ShardCounters:
 class ShardState:
     """Sequences and blocks of one shard.
 
+    Token ids are stored per block, beside the K/V they stand for:
+    ``block_tokens[b - first_block_id]`` holds the ``block_size`` token ids
+    of block ``b``. A sequence's history is its blocks' rows read in table
+    order, so a fork shares tokens exactly as it shares blocks,
+    copy-on-write copies a block's tokens with its K/V, and a decode step
+    writes a batch's new tokens with one scatter through the slot mapping.
+
     Args:
         shard_index: Index of this shard; part of every prefix-cache namespace
             key, since a block can only serve sequences of its own partition.
@@ -130,6 +137,12 @@ class ShardState:
         self.pool = BlockPool(block_ids, policy=eviction_policy)
         self.tables = BlockTables()
         self.sequences: dict[Hashable, Sequence] = {}
+        #: Sequence id -> its row in :attr:`tables` (for vectorized batch lookups).
+        self.rows: dict[Hashable, int] = {}
+        #: int32 ``(num_blocks, block_size)``: the token ids whose K/V each block holds.
+        self.block_tokens = np.zeros((len(block_ids), block_size), dtype=np.int32)
+        self._flat_tokens = self.block_tokens.reshape(-1)
+        self._first_slot = block_ids.start * block_size
         self.counters = ShardCounters()
         #: Block-table references held by live sequences (equals pool.total_refs).
         self.table_refs = 0
@@ -150,6 +163,11 @@ class ShardState:
         except KeyError:
             raise UnknownSequence(seq_id) from None
 
+    def token_ids(self, seq: Sequence) -> np.ndarray:
+        """Token history of ``seq``: int32 ``(num_tokens,)``, a new array."""
+        ids = seq.block_ids.view().astype(np.intp) - self.pool.first_block_id
+        return self.block_tokens[ids].reshape(-1)[: seq.num_tokens]
+
     def usage(self) -> float:
         """Fraction of blocks not free (0.0-1.0)."""
         return 1.0 - self.pool.num_free / self.pool.num_blocks
@@ -168,13 +186,18 @@ class ShardState:
         ``outcome.rejected`` and leaves no trace. Everything else is validated
         up front.
 
+        A batch of one-token appends (a decode step) whose new blocks and
+        copy-on-write copies fit in the free blocks takes a vectorized path:
+        a few numpy operations over the batch's rows, no per-sequence Python
+        work except for the ~1/block_size rows that start a block.
+
         Raises:
             UnknownSequence: A commit, fork or append names no live sequence.
             DuplicateSequence: An admission or fork child reuses a live id.
             InvalidInput: Bad commit counts or empty token arrays.
         """
         self.validate(req)
-        bs, seqs, pool = self.block_size, self.sequences, self.pool
+        bs, seqs, pool, tables = self.block_size, self.sequences, self.pool, self.tables
         out = StepOutcome()
 
         for seq_id in req.frees:
@@ -187,20 +210,18 @@ class ShardState:
 
         ops: TreeOps = []
         publishing: list = []
-        for seq_id, n in req.commits.items():
-            seq = seqs[seq_id]
-            seq.num_computed += n
-            if seq.num_computed // bs > seq.num_published:
-                self._queue_publish(seq, ops, publishing)
+        if req.commits:
+            self._commit(req.commits, ops, publishing)
 
         for parent_id, child_ids in req.forks:
             parent = seqs[parent_id]
             for child_id in child_ids:
-                child = parent.fork(child_id, self.tables.new_row())
+                child = parent.fork(child_id, tables.new_row())
                 ids = child.block_ids.tolist()
                 pool.incref(ids)
                 self.table_refs += len(ids)
                 seqs[child_id] = child
+                self.rows[child_id] = child.row
                 self.counters.forks += 1
 
         # Batch the matches of ordinary admissions with the inserts in one tree message.
@@ -226,41 +247,38 @@ class ShardState:
         for hits in matches.values():
             _protect(protected, hits)
 
-        scheduled: list[tuple[Sequence, int, int]] = []
-        for seq_id, tokens in req.appends.items():
-            seq = seqs[seq_id]
-            blocks = seq.block_ids
-            start = len(seq.tokens)
-            single = type(tokens) is int
-            k = 1 if single else len(tokens)
-            tail = start % bs != 0 and pool.refcount(blocks.last()) > 1
-            total = (start + k + bs - 1) // bs
-            need = total - len(blocks) + tail
-            if need > pool.num_free or total > pool.num_blocks:
-                err = yield from self._make_room(need, total, protected, out)
-                if err is not None:
-                    out.rejected[seq_id] = err
-                    continue
-            if tail:
-                old = blocks.last()
-                (new,) = pool.allocate(1)
-                blocks.set(len(blocks) - 1, new)
-                pool.pin_for_copy((old, new))  # neither may be reused before the copy ran
-                pool.decref((old,))
-                out.copies.append((old, new))
-                out.copy_seq_ids.append(seq_id)
-                self.counters.cow_copies += 1
-                need -= 1
-            if need:
-                blocks.extend(pool.allocate(need))
-                self.table_refs += need
-                self.counters.blocks_allocated += need
-            self.counters.blocks_allocated += tail
-            if single:
-                seq.tokens.append(tokens)
-            else:
-                seq.tokens.extend(tokens)
-            scheduled.append((seq, start, k))
+        # Scheduled rows, in metadata order: (seq ids, rows, first new position, new tokens).
+        decoded = self._decode(req.appends, out) if req.appends else None
+        sched_ids: list = []
+        sched: list[tuple[int, int, int]] = []
+        if req.appends and decoded is None:
+            for seq_id, tokens in req.appends.items():
+                seq = seqs[seq_id]
+                blocks = seq.block_ids
+                row = blocks.row
+                start = int(tables.num_tokens[row])
+                single = type(tokens) is int
+                k = 1 if single else len(tokens)
+                tail = start % bs != 0 and pool.refcount(blocks.last()) > 1
+                total = (start + k + bs - 1) // bs
+                need = total - len(blocks) + tail
+                if need > pool.num_free or total > pool.num_blocks:
+                    err = yield from self._make_room(need, total, protected, out)
+                    if err is not None:
+                        out.rejected[seq_id] = err
+                        continue
+                if tail:
+                    self._copy_on_write(seq_id, row, out)
+                    need -= 1
+                if need:
+                    blocks.extend(pool.allocate(need))
+                    self.table_refs += need
+                    self.counters.blocks_allocated += need
+                tables.shared_tail[row] = False
+                self._write_tokens(row, start, np.array([tokens], dtype=np.int32) if single else tokens)
+                tables.num_tokens[row] = start + k
+                sched_ids.append(seq_id)
+                sched.append((row, start, k))
 
         pending: list = []
         pending_ops: TreeOps = []
@@ -287,19 +305,23 @@ class ShardState:
             if err is not None:
                 out.rejected[adm.seq_id] = err
                 continue
-            seq = Sequence(adm.seq_id, adm.namespace, prompt, self.tables.new_row())
+            seq = Sequence(adm.seq_id, adm.namespace, length, tables.new_row())
+            row = seq.row
             if self.enable_prefix_cache:
                 seq.prompt_keys = bs_keys[i]
-            pool.incref(hits)
+            pool.incref(hits, hit=True)
             seq.block_ids.extend(hits)
             seq.block_ids.extend(pool.allocate(need))
             self.table_refs += len(hits) + need
             self.counters.blocks_allocated += need
             cached = len(hits) * bs
-            seq.num_computed = cached
+            self._write_tokens(row, cached, prompt[cached:])
+            tables.num_tokens[row] = length
+            tables.num_computed[row] = cached
             seq.num_published = len(hits)
             seq.num_cached_tokens = cached
             seqs[adm.seq_id] = seq
+            self.rows[adm.seq_id] = row
             out.cached_tokens[adm.seq_id] = cached
             self.counters.sequences_added += 1
             if adm.resumed:
@@ -309,22 +331,25 @@ class ShardState:
             else:
                 self.counters.prompt_tokens += length
                 self.counters.cached_tokens += cached
-            scheduled.append((seq, cached, length - cached))
+            sched_ids.append(adm.seq_id)
+            sched.append((row, cached, length - cached))
             if adm.prefill_done:
-                seq.num_computed = length
+                tables.num_computed[row] = length
                 self._queue_publish(seq, pending_ops, pending)
         if pending_ops:
             results = yield pending_ops
             self._apply_published(pending, results)
 
-        if req.want_metadata:
-            self._fill_metadata(out, scheduled)
+        if decoded is not None:
+            out.seq_ids = decoded[0] + sched_ids
         else:
-            out.seq_ids = [s.seq_id for s, _, _ in scheduled]
+            out.seq_ids = sched_ids
+        if req.want_metadata:
+            self._fill_metadata(out, decoded, sched)
         return out
 
     def evict(self, max_blocks: int) -> TreeGen:
-        """Evict up to ``max_blocks`` least recently used cached blocks (leaves only).
+        """Evict up to ``max_blocks`` cached blocks, in the eviction policy's order (leaves only).
 
         Returns:
             Blocks evicted (removed from the prefix cache, now free).
@@ -340,27 +365,22 @@ class ShardState:
     def validate(self, req: StepRequest) -> None:
         """Raise the error :meth:`step` would raise for ``req``; change nothing.
 
+        The common case (every id known, every count an int) is checked with
+        set and array operations; any problem reruns the per-item checks to
+        report the first offending item in request order.
+
         Raises:
             UnknownSequence, DuplicateSequence, InvalidInput: As :meth:`step`.
         """
         seqs = self.sequences
         freed = {s for s in req.frees if s in seqs}
+        if req.commits and not self._commits_ok(req.commits, freed):
+            self._validate_commits(req.commits, freed)
+        created: set = set()
 
         def live(seq_id: Hashable) -> bool:
             return seq_id in seqs and seq_id not in freed
 
-        for seq_id, n in req.commits.items():
-            seq = seqs.get(seq_id)
-            if seq is None or seq_id in freed:
-                raise UnknownSequence(seq_id)
-            if type(n) is not int and (not isinstance(n, np.integer) or isinstance(n, bool)):
-                raise InvalidInput(f"commit of {n!r} tokens for sequence {seq_id!r}: need an int >= 0")
-            if n < 0 or seq.num_computed + n > len(seq.tokens):
-                raise InvalidInput(
-                    f"commit of {n} tokens for sequence {seq_id!r}: need 0 <= n <= "
-                    f"{len(seq.tokens) - seq.num_computed} ({seq.num_computed} of {len(seq.tokens)} tokens computed)"
-                )
-        created: set = set()
         for parent_id, child_ids in req.forks:
             if not live(parent_id) and parent_id not in created:
                 raise UnknownSequence(parent_id)
@@ -371,11 +391,17 @@ class ShardState:
         for parent_id, _ in req.forks:
             if parent_id in created and parent_id not in seqs:
                 raise InvalidInput(f"fork of {parent_id!r}, a child created in the same step; fork it next step")
-        for seq_id, tokens in req.appends.items():
-            if (seq_id not in seqs or seq_id in freed) and seq_id not in created:
-                raise UnknownSequence(seq_id)
-            if type(tokens) is not int and len(tokens) == 0:
-                raise InvalidInput(f"append of no tokens to sequence {seq_id!r}")
+        appends = req.appends
+        if appends:
+            keys = appends.keys()
+            unknown = ((keys - seqs.keys()) | (keys & freed)) - created
+            single = set(map(type, appends.values())) == {int}
+            if unknown or not single:
+                for seq_id, tokens in appends.items():
+                    if (seq_id not in seqs or seq_id in freed) and seq_id not in created:
+                        raise UnknownSequence(seq_id)
+                    if type(tokens) is not int and len(tokens) == 0:
+                        raise InvalidInput(f"append of no tokens to sequence {seq_id!r}")
         for adm in req.admits:
             if live(adm.seq_id) or adm.seq_id in created:
                 raise DuplicateSequence(adm.seq_id)
@@ -383,11 +409,120 @@ class ShardState:
             if len(adm.prompt) == 0:
                 raise InvalidInput(f"empty prompt for sequence {adm.seq_id!r}")
 
+    def _commits_ok(self, commits, freed: set) -> bool:
+        """Vectorized commit check: all ids live, all counts ints within range."""
+        keys = commits.keys()
+        if (keys - self.sequences.keys()) or (keys & freed) or set(map(type, commits.values())) != {int}:
+            return False
+        n = len(commits)
+        rows = np.fromiter(map(self.rows.__getitem__, keys), dtype=np.intp, count=n)
+        add = np.fromiter(commits.values(), dtype=np.int64, count=n)
+        t = self.tables
+        return bool((add >= 0).all() and (t.num_computed[rows] + add <= t.num_tokens[rows]).all())
+
+    def _validate_commits(self, commits, freed: set) -> None:
+        seqs = self.sequences
+        for seq_id, n in commits.items():
+            seq = seqs.get(seq_id)
+            if seq is None or seq_id in freed:
+                raise UnknownSequence(seq_id)
+            if type(n) is not int and (not isinstance(n, np.integer) or isinstance(n, bool)):
+                raise InvalidInput(f"commit of {n!r} tokens for sequence {seq_id!r}: need an int >= 0")
+            computed, tokens = seq.num_computed, seq.num_tokens
+            if n < 0 or computed + n > tokens:
+                raise InvalidInput(
+                    f"commit of {n} tokens for sequence {seq_id!r}: need 0 <= n <= "
+                    f"{tokens - computed} ({computed} of {tokens} tokens computed)"
+                )
+
+    def _commit(self, commits, ops: TreeOps, publishing: list) -> None:
+        """Add committed token counts (vectorized); queue the publishing of newly full blocks."""
+        n = len(commits)
+        ids = list(commits)
+        rows = np.fromiter(map(self.rows.__getitem__, ids), dtype=np.intp, count=n)
+        add = np.fromiter(commits.values(), dtype=np.int64, count=n)
+        computed = self.tables.num_computed
+        old = computed[rows]
+        new = old + add
+        computed[rows] = new
+        if self.enable_prefix_cache:
+            bs, seqs = self.block_size, self.sequences
+            for i in np.flatnonzero(new // bs > old // bs).tolist():
+                seq = seqs[ids[i]]
+                if int(new[i]) // bs > seq.num_published:
+                    self._queue_publish(seq, ops, publishing)
+
+    def _decode(self, appends, out: StepOutcome) -> tuple[list, np.ndarray, np.ndarray, np.ndarray] | None:
+        """The vectorized decode path: one token for each sequence of ``appends``.
+
+        Returns ``(seq_ids, rows, positions, slots)`` (int arrays of shape
+        ``(batch,)``), or None without changing anything when the batch does
+        not qualify (a multi-token append, or fewer free blocks than its new
+        blocks and copies need: the general path then evicts or rejects).
+        """
+        values = appends.values()
+        if set(map(type, values)) != {int}:
+            return None
+        bs, pool, tables = self.block_size, self.pool, self.tables
+        n = len(appends)
+        ids = list(appends)
+        rows = np.fromiter(map(self.rows.__getitem__, ids), dtype=np.intp, count=n)
+        pos = tables.num_tokens[rows]
+        new_block = pos % bs == 0
+        maybe_shared = np.flatnonzero(tables.shared_tail[rows] & ~new_block).tolist()
+        num_new = int(np.count_nonzero(new_block))
+        if num_new + len(maybe_shared) > pool.num_free:  # at most one copy per flagged row
+            return None
+        for i in maybe_shared:  # in order: the last holder of a shared tail writes in place
+            r = int(rows[i])
+            if pool.refcount(int(tables.array[r, tables.lens[r] - 1])) > 1:
+                self._copy_on_write(ids[i], r, out)
+        if num_new:
+            grow = rows[new_block]
+            cols = pos[new_block] // bs
+            tables.ensure_cols(int(cols[-1] if num_new == 1 else cols.max()) + 1)
+            tables.array[grow, cols] = pool.allocate(num_new)
+            tables.lens[grow] += 1
+            self.table_refs += num_new
+            self.counters.blocks_allocated += num_new
+        tables.shared_tail[rows] = False
+        slots = tables.array[rows, pos // bs].astype(np.int64) * bs + pos % bs
+        self._flat_tokens[slots - self._first_slot] = np.fromiter(values, dtype=np.int64, count=n)
+        tables.num_tokens[rows] = pos + 1
+        return ids, rows, pos, slots
+
+    def _copy_on_write(self, seq_id: Hashable, row: int, out: StepOutcome) -> None:
+        """Give ``row`` a private copy of its shared partial tail block (K/V copy queued in ``out``)."""
+        pool, tables = self.pool, self.tables
+        col = int(tables.lens[row]) - 1
+        old = int(tables.array[row, col])
+        (new,) = pool.allocate(1)
+        tables.array[row, col] = new
+        pool.pin_for_copy((old, new))  # neither may be reused before the copy ran
+        pool.decref((old,))
+        base = pool.first_block_id
+        self.block_tokens[new - base] = self.block_tokens[old - base]
+        out.copies.append((old, new))
+        out.copy_seq_ids.append(seq_id)
+        self.counters.cow_copies += 1
+        self.counters.blocks_allocated += 1
+
+    def _write_tokens(self, row: int, start: int, tokens: np.ndarray) -> None:
+        """Store ``tokens`` at positions ``start..`` of ``row`` (its blocks must exist)."""
+        k = len(tokens)
+        if not k:
+            return
+        bs = self.block_size
+        pos = np.arange(start, start + k)
+        slots = self.tables.array[row, pos // bs].astype(np.int64) * bs + pos % bs
+        self._flat_tokens[slots - self._first_slot] = tokens
+
     def _release(self, seq: Sequence) -> None:
         ids = seq.block_ids.tolist()
         ids.reverse()  # deepest first: on ties the deepest block is evicted first
         self.pool.decref(ids)
         self.tables.release(seq.block_ids)
+        del self.rows[seq.seq_id]
         self.table_refs -= len(ids)
         self.counters.sequences_freed += 1
 
@@ -400,11 +535,13 @@ class ShardState:
         if full <= start:
             return
         parent = seq.block_ids[start - 1] if start else None
+        view = seq.block_ids.view()[start:full]
         if full <= len(seq.prompt_keys):
             keys = seq.prompt_keys[start:full]
         else:
-            keys = block_keys(seq.tokens.view()[start * bs :], bs, full - start)
-        ids = seq.block_ids.view()[start:full].tolist()
+            tokens = self.block_tokens[view.astype(np.intp) - self.pool.first_block_id].reshape(-1)
+            keys = block_keys(tokens, bs, full - start)
+        ids = view.tolist()
         ops.append(("insert", self.namespace_key(seq.namespace), parent, keys, ids))
         publishing.append((seq, start, ids))
 
@@ -437,11 +574,11 @@ class ShardState:
         return None
 
     def _evict(self, num_blocks: int, protected) -> TreeGen:
-        """Evict least recently used cached leaves; blocks the tree refuses go to the MRU end.
+        """Evict cached leaves in policy order; blocks the tree refuses go to the evict-last end.
 
         A cached block can stand above a block that is not evictable yet (a
         published block that is still the source of a pending copy); the tree
-        refuses such a non-leaf, and it waits at the most recently used end.
+        refuses such a non-leaf, and it waits at the evict-last end.
         """
         evicted = 0
         while evicted < num_blocks:
@@ -461,37 +598,50 @@ class ShardState:
             self.counters.eviction_batches += 1
         return evicted
 
-    def _fill_metadata(self, out: StepOutcome, scheduled: list[tuple[Sequence, int, int]]) -> None:
+    def _fill_metadata(self, out: StepOutcome, decoded, sched: list[tuple[int, int, int]]) -> None:
         """Block tables, context lengths and slot mapping of the scheduled rows, vectorized.
 
         ``slot = block_table[row, pos // block_size] * block_size + pos % block_size``
-        for every new token, computed for the whole batch at once.
+        for every new token, computed for the whole batch at once (the decode
+        path has computed its slots already).
         """
-        bs = self.block_size
-        batch = len(scheduled)
-        out.seq_ids = [s.seq_id for s, _, _ in scheduled]
+        bs, tables = self.block_size, self.tables
+        if decoded is not None and not sched:  # a pure decode step
+            _, rows, pos, slots = decoded
+            batch = len(rows)
+            out.block_tables = tables.gather(rows, int(tables.lens[rows].max()))
+            out.context_lens = (pos + 1).astype(np.int32)
+            out.query_start_loc = np.arange(batch + 1, dtype=np.int32)
+            out.slot_mapping = slots
+            return
+        extra = np.array(sched, dtype=np.int64).reshape(-1, 3)
+        if decoded is not None:
+            _, drows, dpos, _ = decoded
+            rows = np.concatenate([drows, extra[:, 0]])
+            starts = np.concatenate([dpos, extra[:, 1]])
+            lens = np.concatenate([np.ones(len(drows), dtype=np.int64), extra[:, 2]])
+        else:
+            rows, starts, lens = extra[:, 0], extra[:, 1], extra[:, 2]
+        batch = len(rows)
         if not batch:
             out.block_tables = np.zeros((0, 0), dtype=np.int32)
             out.context_lens = np.zeros(0, dtype=np.int32)
             out.query_start_loc = np.zeros(1, dtype=np.int32)
             out.slot_mapping = np.zeros(0, dtype=np.int64)
             return
-        rows = np.fromiter((s.block_ids.row for s, _, _ in scheduled), dtype=np.intp, count=batch)
-        tables = self.tables.gather(rows, max(s.block_ids.n for s, _, _ in scheduled))
-        starts = np.fromiter((p for _, p, _ in scheduled), dtype=np.int64, count=batch)
-        lens = np.fromiter((k for _, _, k in scheduled), dtype=np.int64, count=batch)
+        tab = tables.gather(rows, int(tables.lens[rows].max()))
         qsl = np.zeros(batch + 1, dtype=np.int64)
         np.cumsum(lens, out=qsl[1:])
         total = int(qsl[-1])
-        if total == batch:  # decode: one new token per row
+        if total == batch:  # one new token per row
             row_of, pos = np.arange(batch), starts
         else:
             row_of = np.repeat(np.arange(batch), lens)
             pos = starts[row_of] + (np.arange(total) - qsl[row_of])
-        out.block_tables = tables
+        out.block_tables = tab
         out.context_lens = (starts + lens).astype(np.int32)
         out.query_start_loc = qsl.astype(np.int32)
-        out.slot_mapping = tables[row_of, pos // bs].astype(np.int64) * bs + pos % bs
+        out.slot_mapping = tab[row_of, pos // bs].astype(np.int64) * bs + pos % bs
 
     # ------------------------------------------------------------- checking
     def check_counters(self) -> None:
@@ -524,6 +674,8 @@ class ShardState:
         self.pool.check()
         bs = self.block_size
         refs: dict[int, int] = {}
+        if self.rows != {sid: seq.row for sid, seq in self.sequences.items()}:
+            raise AssertionError("the id -> row map disagrees with the live sequences")
         for seq in self.sequences.values():
             if len(seq.block_ids) != -(-seq.num_tokens // bs):
                 raise AssertionError(

@@ -38,7 +38,7 @@ from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
-from hypothesis import HealthCheck, event, note, settings
+from hypothesis import HealthCheck, assume, event, note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -150,7 +150,7 @@ class ShardStateMachine(RuleBasedStateMachine):
         counters = {f.name: getattr(c, f.name) for f in dataclasses.fields(ShardCounters) if f.name != "pool_exhausted"}
         seqs = {
             sid: (
-                tuple(s.tokens.tolist()),
+                tuple(self.shard.token_ids(s).tolist()),
                 tuple(s.block_ids.tolist()),
                 s.num_computed,
                 s.num_published,
@@ -348,6 +348,47 @@ class ShardStateMachine(RuleBasedStateMachine):
         if out.evicted_blocks:
             self._resync_after_eviction(out.evicted_blocks)
 
+    @precondition(lambda self: len(self.model) >= 2)
+    @rule(data=st.data())
+    def decode(self, data) -> None:
+        """One int token for each of several sequences in one step (the vectorized decode path)."""
+        bs = self.block_size
+        sids = data.draw(st.lists(st.sampled_from(sorted(self.model, key=str)), min_size=2, unique=True), label="batch")
+        tokens = data.draw(st.lists(st.integers(0, 3), min_size=len(sids), max_size=len(sids)), label="tokens")
+        # The model applies the batch in order: a shared tail is copied for every
+        # holder but the last one to write, which finds it private.
+        model = {sid: seq.copy() for sid, seq in self.model.items()}
+        copies, starts = 0, []
+        for sid in sids:
+            seq = model[sid]
+            n = len(seq.tokens)
+            holders = sum(1 for other in model.values() if seq.blocks[-1] in other.blocks)
+            cow = n % bs != 0 and holders > 1
+            if cow:
+                seq.blocks[-1] = -1 - copies  # a private block (ids fixed below)
+                copies += 1
+            if n % bs == 0:
+                seq.blocks.append(None)
+            starts.append(n)
+        need = copies + sum(1 for sid in sids if model[sid].blocks[-1] is None)
+        assume(need <= self.shard.pool.num_free)  # eviction and rejection are the append rule's
+        out = self._step(appends=dict(zip(sids, tokens)))
+        note(f"decode {dict(zip(sids, tokens))} ({copies} copies-on-write, {need} new blocks)")
+        assert out.rejected == {} and out.evicted_blocks == 0
+        assert len(out.copies) == copies, f"expected {copies} copies, got {out.copies}"
+        for sid, tok in zip(sids, tokens):
+            seq = model[sid]
+            seq.blocks = [b if b is not None and b >= 0 else self._fresh_blocks(1)[0] for b in seq.blocks]
+            seq.tokens.append(tok)
+        self.model.update({sid: model[sid] for sid in sids})
+        assert out.seq_ids == sids
+        tables = [self.shard.sequences[sid].block_ids.tolist() for sid in sids]
+        width = max(len(t) for t in tables)
+        assert out.block_tables.tolist() == [t + [0] * (width - len(t)) for t in tables]
+        assert out.context_lens.tolist() == [p + 1 for p in starts]
+        assert out.query_start_loc.tolist() == list(range(len(sids) + 1))
+        assert out.slot_mapping.tolist() == [t[p // bs] * bs + p % bs for t, p in zip(tables, starts)]
+
     @precondition(lambda self: self.model)
     @rule(data=st.data())
     def commit(self, data) -> None:
@@ -487,7 +528,7 @@ class ShardStateMachine(RuleBasedStateMachine):
         assert set(self.shard.sequences) == set(self.model)
         for sid, seq in self.model.items():
             real = self.shard.sequences[sid]
-            assert real.tokens.tolist() == seq.tokens, f"{sid}: token history differs from the model"
+            assert self.shard.token_ids(real).tolist() == seq.tokens, f"{sid}: token history differs from the model"
             assert len(real.block_ids) == _ceil_div(len(seq.tokens), bs) == len(seq.blocks), sid
             assert (real.num_computed, real.num_published, real.publish_stopped) == (
                 seq.num_computed,
