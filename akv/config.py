@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from akv.core.eviction_policy import EVICTION_POLICIES
+
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 
 
@@ -143,6 +145,8 @@ class KVCacheConfig:
             )
         if not isinstance(self.model, ModelShape):
             raise ValueError(f"model must be a ModelShape, got {type(self.model).__name__}")
+        if not isinstance(self.eviction_policy, str) or self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"unknown eviction_policy {self.eviction_policy!r}; known: {', '.join(EVICTION_POLICIES)}")
 
     @property
     def bytes_per_block(self) -> int:

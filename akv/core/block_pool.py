@@ -1,11 +1,11 @@
-"""Block pool of one shard: block states, refcounts, free queue and LRU of cached blocks.
+"""Block pool of one shard: block states, refcounts, free queue and eviction order of cached blocks.
 
 Pure and synchronous. Every block id in ``block_ids`` is in exactly one state:
 
 - ``FREE``: on the free queue, owned by nobody.
 - ``ACTIVE``: refcount >= 1 (held by at least one sequence's block table).
-- ``CACHED``: refcount 0, published in the prefix cache, in the LRU order; an
-  eviction may reclaim it.
+- ``CACHED``: refcount 0, published in the prefix cache, in the eviction
+  order; an eviction may reclaim it.
 - ``IN_FLIGHT``: refcount 0 but still the source of a pending copy (or being
   evicted right now); neither allocatable nor evictable.
 
@@ -16,15 +16,24 @@ in C), which gives what vLLM v1's ``FreeKVCacheBlockQueue`` gets from its
 intrusive list (``vllm/v1/core/kv_cache_utils.py``) at a fraction of the
 Python-level cost.
 
-The LRU order is kept here, beside the refcounts, because a block enters it
-exactly when its refcount drops to zero and leaves it exactly when a hit takes
-a reference: one owner makes "match then pin" atomic (see docs/architecture.md).
+Other eviction policies (:mod:`akv.core.eviction_policy`) replace the
+``OrderedDict`` with a :class:`~akv.core.eviction_policy.KeyedOrder` (a lazy
+heap, O(log n) per block entering the order or evicted) that offers the same
+mapping operations, so the per-block code paths are shared and LRU pays
+nothing for the choice.
+
+The eviction order is kept here, beside the refcounts, because a block enters
+it exactly when its refcount drops to zero and leaves it exactly when a hit
+takes a reference: one owner makes "match then pin" atomic (see
+docs/architecture.md).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Container, Iterable
+
+from akv.core.eviction_policy import EvictionPolicy, KeyedOrder, eviction_policy, lru_key
 
 FREE = 0
 ACTIVE = 1
@@ -38,18 +47,27 @@ class BlockPool:
 
     Args:
         block_ids: The global block ids this pool owns, e.g. ``range(0, 4096)``.
+        policy: Eviction policy: a name in
+            :data:`~akv.core.eviction_policy.EVICTION_POLICIES` (default
+            ``"lru"``) or an :class:`~akv.core.eviction_policy.EvictionPolicy`.
+
+    Raises:
+        ValueError: ``block_ids`` is empty or not contiguous, or the policy
+            name is unknown.
 
     The free queue hands out the lowest ids first on a fresh pool and reuses
     the most recently freed block first afterwards (a stack: warm memory).
-    The LRU order of cached blocks evicts the least recently released first;
-    a sequence releases its blocks deepest first, so on ties the deepest block
-    of a finished sequence is evicted first.
+    The eviction order of cached blocks (by default LRU) evicts the least
+    recently released first among equal keys; a sequence releases its blocks
+    deepest first, so on ties the deepest block of a finished sequence is
+    evicted first.
     """
 
     __slots__ = (
         "_copy_pins",
         "_counts",
         "_free",
+        "_keyed",
         "_lru",
         "_published",
         "_refcount",
@@ -57,12 +75,13 @@ class BlockPool:
         "blocks_freed",
         "first_block_id",
         "num_blocks",
+        "policy",
         "total_refs",
     )
 
-    def __init__(self, block_ids: range, *, policy: str = "lru") -> None:
-        if policy != "lru":
-            raise ValueError(f"unknown eviction policy {policy!r}")
+    def __init__(self, block_ids: range, *, policy: str | EvictionPolicy = "lru") -> None:
+        #: The eviction policy in use.
+        self.policy = eviction_policy(policy)
         if block_ids.step != 1 or len(block_ids) == 0:
             raise ValueError(f"block_ids must be a non-empty contiguous range, got {block_ids!r}")
         self.first_block_id = block_ids.start
@@ -73,7 +92,13 @@ class BlockPool:
         self._published = [False] * n
         self._copy_pins: dict[int, int] = {}
         self._free = list(reversed(block_ids))  # pop() yields the lowest id first
-        self._lru: OrderedDict[int, None] = OrderedDict()  # cached block ids, oldest first
+        # Cached block ids in eviction order: an OrderedDict (oldest first) for
+        # LRU, else a KeyedOrder, which offers the same mapping operations.
+        self._keyed: KeyedOrder | None = None
+        if self.policy.name == "lru" and self.policy.key is lru_key:
+            self._lru: OrderedDict[int, None] | KeyedOrder = OrderedDict()
+        else:
+            self._keyed = self._lru = KeyedOrder(self.policy, self.first_block_id, n)
         self._counts = [n, 0, 0, 0]
         #: Sum of all refcounts; equals the block-table references of live sequences.
         self.total_refs = 0
@@ -122,9 +147,20 @@ class BlockPool:
         """Whether ``block_id`` is in the prefix cache."""
         return self._published[block_id - self.first_block_id]
 
-    def lru_order(self) -> list[int]:
-        """Cached block ids from least to most recently released (eviction order). O(cached)."""
+    def eviction_order(self) -> list[int]:
+        """Cached block ids in the order eviction would take them.
+
+        O(cached) for LRU (least to most recently released), O(cached log
+        cached) for the other policies.
+        """
         return list(self._lru)
+
+    #: Former name of :meth:`eviction_order` (the order is LRU by default).
+    lru_order = eviction_order
+
+    def num_hits(self, block_id: int) -> int:
+        """Prefix hits on ``block_id`` since its allocation; always 0 under LRU (not counted)."""
+        return 0 if self._keyed is None else self._keyed.hits[block_id - self.first_block_id]
 
     # ---------------------------------------------------------------- mutations
     def allocate(self, num_blocks: int) -> list[int]:
@@ -141,6 +177,8 @@ class BlockPool:
         ids = self._free[-num_blocks:]
         del self._free[-num_blocks:]
         ids.reverse()
+        if self._keyed is not None:
+            self._keyed.reset(ids)
         base, state, ref = self.first_block_id, self._state, self._refcount
         for b in ids:
             i = b - base
@@ -151,13 +189,22 @@ class BlockPool:
         self.total_refs += num_blocks
         return ids
 
-    def incref(self, block_ids: Iterable[int]) -> None:
-        """Add one reference to each block; a cached block leaves the LRU order (a hit).
+    def incref(self, block_ids: Iterable[int], *, hit: bool = False) -> None:
+        """Add one reference to each block; a cached block leaves the eviction order.
+
+        Args:
+            block_ids: The blocks, any state but free (see Raises).
+            hit: These are prefix-cache hits of an admission (not a fork):
+                count an access for policies that use hit counts.
 
         Raises:
             ValueError: A block is free, being evicted, or an unpublished copy
-                source (it cannot be referenced).
+                source (it cannot be referenced). Blocks before it in
+                ``block_ids`` keep their new reference.
         """
+        if hit and self._keyed is not None:
+            block_ids = list(block_ids)
+            self._keyed.record_hits(block_ids)
         base, state, ref = self.first_block_id, self._state, self._refcount
         for b in block_ids:
             i = b - base
@@ -182,7 +229,7 @@ class BlockPool:
         """Drop one reference from each block, in the given order.
 
         A block reaching refcount 0 becomes ``IN_FLIGHT`` if a pending copy
-        still reads it, else ``CACHED`` (appended to the LRU tail) if published,
+        still reads it, else ``CACHED`` (entering the eviction order) if published,
         else ``FREE``. Pass a sequence's blocks deepest first so its deepest
         block is evicted first.
 
@@ -241,15 +288,20 @@ class BlockPool:
                 self._release(i)
 
     def evict_begin(self, max_blocks: int, skip: Container[int] = frozenset()) -> list[int]:
-        """Take up to ``max_blocks`` least recently used cached blocks for eviction.
+        """Take up to ``max_blocks`` cached blocks for eviction, first in eviction order first.
 
         Blocks in ``skip`` (prefix hits about to be pinned) keep their place.
         The taken blocks move to ``IN_FLIGHT`` until :meth:`evict_finish`
         (removed from the prefix cache, now free) or :meth:`evict_abort` (back
-        at the LRU head). O(taken + skipped).
+        at the head). O(taken + skipped) for LRU, O((taken + skipped) log
+        cached) amortized for the other policies.
         """
         base, state, lru = self.first_block_id, self._state, self._lru
-        if not skip:
+        if self._keyed is not None:
+            out = self._keyed.pop_first(max_blocks, skip)
+            for b in out:
+                state[b - base] = IN_FLIGHT
+        elif not skip:
             out = []
             for _ in range(min(max_blocks, len(lru))):
                 b = lru.popitem(last=False)[0]
@@ -286,19 +338,32 @@ class BlockPool:
         self.blocks_freed += k
 
     def evict_abort(self, block_ids: list[int], *, to_mru: bool = False) -> None:
-        """Put blocks taken by :meth:`evict_begin` back in the LRU order, in order.
+        """Put blocks taken by :meth:`evict_begin` back in the eviction order, in order.
 
         Args:
             block_ids: The blocks, as :meth:`evict_begin` returned them.
-            to_mru: Put them at the most recently used end instead of back at
-                the head (for blocks that cannot be evicted yet).
+            to_mru: Put them at the evict-last end instead of back at the head
+                (for blocks that cannot be evicted yet: non-leaves of the
+                prefix tree). Under LRU that is the most recently used end,
+                which later releases pass; under the other policies a lane
+                behind every other cached block, until the block leaves the
+                cache. Without it, LRU puts them at the head and the other
+                policies back in their old place (their keys are unchanged).
         """
         base, lru = self.first_block_id, self._lru
-        for b in block_ids if to_mru else reversed(block_ids):
-            self._state[b - base] = CACHED
-            lru[b] = None
-            if not to_mru:
-                lru.move_to_end(b, last=False)
+        if self._keyed is not None:
+            for b in block_ids:
+                self._state[b - base] = CACHED
+            if to_mru:
+                self._keyed.defer(block_ids)
+            else:
+                self._keyed.restore(block_ids)
+        else:
+            for b in block_ids if to_mru else reversed(block_ids):
+                self._state[b - base] = CACHED
+                lru[b] = None
+                if not to_mru:
+                    lru.move_to_end(b, last=False)
         self._counts[IN_FLIGHT] -= len(block_ids)
         self._counts[CACHED] += len(block_ids)
 
@@ -319,7 +384,7 @@ class BlockPool:
             self.blocks_freed += 1
 
     def check(self) -> None:
-        """Full O(num_blocks) consistency check.
+        """Full O(num_blocks) consistency check, the eviction order's structure included.
 
         Raises:
             AssertionError: Naming the first inconsistent block.
@@ -341,5 +406,8 @@ class BlockPool:
             raise AssertionError(f"state counters {self._counts} != recount {counts}")
         if sorted(self._free) != sorted(i + self.first_block_id for i, s in enumerate(self._state) if s == FREE):
             raise AssertionError("free queue does not hold exactly the free blocks")
-        if len(self.lru_order()) != counts[CACHED]:
-            raise AssertionError("LRU list does not hold exactly the cached blocks")
+        cached = [i + self.first_block_id for i, s in enumerate(self._state) if s == CACHED]
+        if self._keyed is not None:
+            self._keyed.check(cached)
+        elif len(self._lru) != len(cached) or any(self._state[b - self.first_block_id] != CACHED for b in self._lru):
+            raise AssertionError(f"eviction order {list(self._lru)} does not hold exactly the cached blocks {cached}")
