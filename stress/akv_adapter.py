@@ -36,8 +36,10 @@ class AkvAdapter:
     name = "akv"
     level = "akv.KVCacheManager.step (actors running, one message per call)"
 
-    def __init__(self, workload: Any) -> None:
+    def __init__(self, workload: Any, eviction_policy: str | None = None) -> None:
         self.w = workload
+        #: ``KVCacheConfig.eviction_policy`` name; ``None`` keeps the config's default.
+        self.eviction_policy = eviction_policy
         self.kv: KVCacheManager | None = None
         self._cm: KVCacheManager | None = None
 
@@ -45,12 +47,14 @@ class AkvAdapter:
         """Enter the manager (not timed by the harness)."""
         configure_logging(level="warning")  # an application's choice: structlog's default prints debug events
         w = self.w
+        extra = {} if self.eviction_policy is None else {"eviction_policy": self.eviction_policy}
         config = KVCacheConfig(
             num_blocks=w.num_blocks - 1,  # the same usable count as vLLM (block 0 is its null block)
             block_size=w.block_size,
             model=ModelShape(name="peer-bench", num_layers=1, num_kv_heads=8, head_dim=128, dtype="float16"),
             storage="none",
             vocab_size=w.vocab,
+            **extra,
         )
         self._cm = KVCacheManager(config)
         self.kv = await self._cm.__aenter__()
@@ -107,6 +111,7 @@ class AkvAdapter:
         await self._cm.__aexit__(None, None, None)
 
 
-def make(workload: Any) -> AkvAdapter:
-    """Factory the harness calls once per run."""
-    return AkvAdapter(workload)
+def make(workload: Any, eviction_policy: str | None = None) -> AkvAdapter:
+    """Factory the harness calls once per run (``eviction_policy``: a
+    ``KVCacheConfig.eviction_policy`` name; ``None``, the default, keeps the config's)."""
+    return AkvAdapter(workload, eviction_policy)

@@ -163,6 +163,233 @@ def run_belady(blocks, caps, nus, capacity: int) -> int:
     return total
 
 
+# --------------------------------------------------------------------------- concurrent model
+#
+# The functions above model one request at a time. The ones below replay the event stream of a
+# continuous-batching run (stress/peer_trace.py records it): admissions, decode growth and
+# finishes interleave, blocks held by running sequences cannot be evicted (and serve hits while
+# held), and only cached, unreferenced blocks are eviction candidates. Events:
+#
+#   ("A", r)      admit request r: look up its chain blocks[r][:caps[r]], hit the leading run
+#                 present (held or cached), reference the hits, allocate the rest of its
+#                 full prompt blocks (published at once, as vLLM and akv with prefill_done do)
+#                 plus one private block for a partial prompt tail;
+#   ("G", r, n)   request r needs n more private blocks (decode crossed block boundaries);
+#   ("F", r)      request r finishes: its private blocks are released first (``out_cached[r]``
+#                 of them are full output blocks the engines publish; they are never looked up
+#                 again), then its prompt blocks deepest first; a block whose refcount drops to 0
+#                 becomes cached;
+#   ("S",)        end of a scheduler phase (where akv's eviction loop may run).
+#
+# A pool of ``capacity`` blocks holds free + held + cached blocks; an allocation takes a free
+# block if there is one, else evicts one cached block by the policy.
+
+
+class PoolOverflow(RuntimeError):
+    """The event stream needs more held blocks than the pool has (the schedule is wrong)."""
+
+
+def belady_next_uses(order: list[int], blocks: list[list[int]], caps: list[int], never: int) -> dict[int, list[int]]:
+    """For each admitted request (``order`` = admission order) and each of its full prompt
+    blocks, the admission position of the next request whose lookup chain (``blocks[r][:caps[r]]``)
+    contains that block (``never`` if none)."""
+    last: dict[int, int] = {}
+    out: dict[int, list[int]] = {}
+    for pos in range(len(order) - 1, -1, -1):
+        r = order[pos]
+        ids = blocks[r]
+        get = last.get
+        out[r] = [get(b, never) for b in ids]
+        for b in ids[: caps[r]]:
+            last[b] = pos
+    return out
+
+
+def simulate(
+    events,
+    blocks: list[list[int]],
+    caps: list[int],
+    out_cached: list[int],
+    capacity: int | None,
+    policy: str = "lru",
+    watermarks: tuple[float, float] | None = None,
+    tail_private: list[bool] | None = None,
+) -> dict:
+    """Replay a concurrent event stream; return per-request hit blocks and counters.
+
+    Args:
+        events: Iterable of event tuples (see above).
+        blocks: Per request, the ids of its full prompt blocks in order (equal ids = equal
+            prefix, as from :func:`block_ids`).
+        caps: Per request, the most blocks a hit may cover (``(len - 1) // 16``).
+        out_cached: Per request, the private blocks that become cached (published full output
+            blocks) at finish; the rest of its private blocks are freed.
+        capacity: Pool blocks (``None``: unbounded, nothing is ever evicted).
+        policy: ``"lru"`` (least recently released first, a request's blocks deepest first:
+            akv's and vLLM's order) or ``"belady"`` (MIN: farthest next lookup first, never
+            looked up again first, ties deepest first; published output blocks count as never
+            used, so they are simply freed).
+        watermarks: ``(low, high)`` free fractions: after every ("S",) event, if fewer than
+            ``low * capacity`` blocks are free, evict until ``ceil(high * capacity)`` are (akv's
+            background eviction loop). ``None``: evict on demand only.
+        tail_private: Per request, whether it has a partial prompt tail block (default: none).
+
+    Returns:
+        ``{"hits": {r: hit_blocks}, "evicted": n, "peak_held": n, "admitted": [r, ...]}``.
+    """
+    if policy not in ("lru", "belady"):
+        raise ValueError(f"unknown policy {policy!r}")
+    events = list(events)
+    order = [e[1] for e in events if e[0] == "A"]
+    never = len(order)
+    nus = belady_next_uses(order, blocks, caps, never) if policy == "belady" else {}
+    unbounded = capacity is None
+    cap_n = 0 if unbounded else capacity
+    ref: dict[int, int] = {}  # named block -> refcount (held blocks only)
+    present: set[int] = set()  # named blocks held or cached
+    lru: OrderedDict[int, None] = OrderedDict()  # cached entries; anonymous ones are negative
+    bkey: dict[int, int] = {}  # belady: cached named block -> heap key
+    heap: list[int] = []
+    nextuse: dict[int, int] = {}
+    depth_of: dict[int, int] = {}
+    free = cap_n
+    held = 0
+    peak = 0
+    evicted = 0
+    anon = 0
+    seq_named: dict[int, list[int]] = {}
+    seq_private: dict[int, int] = {}
+    hits: dict[int, int] = {}
+    pos = -1
+
+    def n_cached() -> int:
+        return len(lru) if policy == "lru" else len(bkey)
+
+    def evict_one() -> bool:
+        nonlocal free, evicted, heap
+        if policy == "lru":
+            if not lru:
+                return False
+            b, _ = lru.popitem(last=False)
+        else:
+            while True:
+                if not heap:
+                    return False
+                key = -heapq.heappop(heap)
+                b = key & _BID_MASK
+                if bkey.get(b) == key:
+                    del bkey[b]
+                    break
+            if len(heap) > 4 * len(bkey) + 100_000:
+                heap = [-k for k in bkey.values()]
+                heapq.heapify(heap)
+        if b >= 0:
+            present.discard(b)
+        free += 1
+        evicted += 1
+        return True
+
+    def take(n: int) -> None:
+        nonlocal free, held, peak
+        if not unbounded:
+            while free < n:
+                if not evict_one():
+                    raise PoolOverflow(f"need {n} blocks: {free} free, {held} held, nothing cached")
+            free -= n
+        held += n
+        peak = max(peak, held)
+
+    def cache(b: int) -> None:
+        if policy == "lru":
+            lru[b] = None
+        else:
+            key = (nextuse[b] << _NU_SHIFT) | (depth_of[b] << _DEPTH_SHIFT) | b
+            bkey[b] = key
+            heapq.heappush(heap, -key)
+
+    def uncache(b: int) -> None:
+        if policy == "lru":
+            del lru[b]
+        else:
+            del bkey[b]  # its heap entry goes stale
+
+    for ev in events:
+        kind = ev[0]
+        if kind == "A":
+            r = ev[1]
+            pos += 1
+            ids = blocks[r]
+            cap = caps[r]
+            h = 0
+            for b in ids:
+                if h >= cap or b not in present:
+                    break
+                h += 1
+            hits[r] = h
+            nu = nus.get(r)
+            named: list[int] = []
+            private = 1 if tail_private is not None and tail_private[r] else 0
+            new: list[int] = []
+            dup = False
+            for i, b in enumerate(ids):
+                if i < h:
+                    c = ref.get(b, 0)
+                    if c == 0:
+                        if not unbounded:
+                            uncache(b)
+                        held += 1
+                    ref[b] = c + 1
+                    named.append(b)
+                elif dup or b in present:
+                    dup = True  # the engines stop publishing at an existing copy: private
+                    private += 1
+                else:
+                    new.append(b)
+                if nu is not None and (i < h or not dup):
+                    nextuse[b] = nu[i]
+                    depth_of[b] = i
+            take(len(new) + private)
+            for b in new:
+                ref[b] = 1
+                present.add(b)
+                named.append(b)
+            seq_named[r] = named
+            seq_private[r] = private
+        elif kind == "G":
+            r, n = ev[1], ev[2]
+            take(n)
+            seq_private[r] += n
+        elif kind == "F":
+            r = ev[1]
+            private = seq_private.pop(r)
+            keep = min(out_cached[r], private) if policy == "lru" and not unbounded else 0
+            held -= private
+            free += private - keep
+            for _ in range(keep):
+                anon -= 1
+                lru[anon] = None
+            for b in reversed(seq_named.pop(r)):
+                c = ref[b] - 1
+                if c:
+                    ref[b] = c
+                    continue
+                del ref[b]
+                held -= 1
+                if unbounded:
+                    continue  # stays present forever; not counted against any pool
+                cache(b)
+        elif kind == "S":
+            if watermarks is not None and not unbounded and free < watermarks[0] * cap_n:
+                target = -(-int(watermarks[1] * cap_n * 1_000_000) // 1_000_000)
+                while free < target and evict_one():
+                    pass
+        else:
+            raise ValueError(f"unknown event {ev!r}")
+        if not unbounded and free + held + n_cached() != cap_n:
+            raise AssertionError(f"pool accounting: {free} free + {held} held + {n_cached()} cached != {cap_n}")
+    return {"hits": hits, "evicted": evicted, "peak_held": peak, "admitted": order}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", default=None, help="trace JSONL (default: shared mooncake_conversation.jsonl)")
