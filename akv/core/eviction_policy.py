@@ -22,6 +22,10 @@ eviction meets leaves first and the tree rarely refuses a victim.
 ``"lru"`` is served by :class:`~akv.core.block_pool.BlockPool` with an
 ``OrderedDict`` (O(1) per operation, the hot path); every other policy by a
 :class:`KeyedOrder`, a binary heap with lazy invalidation (O(log n)).
+
+S3-FIFO (Yang et al., "FIFO Queues are All You Need for Cache Eviction",
+SOSP 2023) is not offered: its small and main FIFOs and ghost list are queue
+state that a per-block key cannot express.
 """
 
 from __future__ import annotations
@@ -50,9 +54,11 @@ def lru_key(num_hits: int, last_release: int) -> tuple[int]:
 def lfu_key(num_hits: int, last_release: int) -> tuple[int, int]:
     """Least frequently used, ties by recency (LRU among equally hit blocks).
 
-    Classic LFU (e.g. Aho, Denning and Ullman, "Principles of Optimal Page
-    Replacement", JACM 1971); counts start at zero on allocation, so there is
-    no aging beyond a block's lifetime in the cache.
+    Classic least-frequently-used replacement (its strengths and its lack of
+    aging are discussed by O'Neil, O'Neil and Weikum, "The LRU-K Page
+    Replacement Algorithm for Database Disk Buffering", SIGMOD 1993). Counts
+    start at zero on allocation, so there is no aging beyond a block's
+    lifetime in the cache.
 
     Args:
         num_hits: Prefix hits since allocation.
