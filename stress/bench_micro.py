@@ -19,8 +19,11 @@ Three measurements, all on this machine, one process:
     local :class:`~akv.core.radix_tree.RadixTree` (:func:`akv.core.shard_state.drive`).
     The actor share of a step is ``1 - actor_free / manager`` (per-step medians); it
     covers everything the manager adds around the shard's work: input validation,
-    the shard ask, the tree asks for publishing, spans, metrics, tensor wrapping. The
-    block tables and slot mappings of both paths are compared, step by step.
+    the shard ask, spans, metrics, tensor wrapping. As a diagnostic, the manager
+    path also times its actors' ``handle`` (found through private attributes;
+    skipped if they move), splitting each manager step into the time inside the
+    handler (the shard's work) and outside it. The block tables and slot mappings
+    of both paths are compared, step by step.
 
 Paths (b) and (c) run in lockstep inside one process: each step goes through the
 manager and, right before or after it (alternating), through the actor-free
@@ -198,7 +201,11 @@ class PathRun:
 
     step_ns: list[int]
     tables: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
-    tree_asks: int | None = None  # prefix-tree messages during the timed steps (manager path)
+    #: Manager path: time spent inside the actors' message handlers in each timed step (ns);
+    #: empty where the manager's actors cannot be found (private attributes, diagnostic only).
+    handler_ns: list[int] = field(default_factory=list)
+    #: Manager path: actor messages handled per timed step (shard asks, plus tree asks where a tree actor exists).
+    asks_per_step: float | None = None
 
 
 class _ActorFree:
@@ -238,12 +245,16 @@ async def _manager_run(plan: DecodePlan, record: bool, paired: bool) -> tuple[Pa
             out = free.step(StepRequest(admits=_admits(plan), want_metadata=True))
             if record:
                 free_run.tables.append((out.block_tables.copy(), out.slot_mapping.copy()))
-        tree = getattr(kv, "_tree", None)
+        actors = _instrument_actors(kv)
+        in_handlers = [0]
+        for actor in actors:
+            actor.handle = _timed_handler(actor.handle, in_handlers)
         gc.collect()
         asks0 = 0
         for k, (commits, appends) in enumerate(plan.inputs):
             if k == plan.warmup:
-                asks0 = getattr(tree, "messages_handled", 0)
+                asks0 = sum(a.messages_handled for a in actors)
+            in_handlers[0] = 0
             # Paired: the actor-free step runs right before (odd k) or after (even k) the manager's.
             if free is not None and k % 2:
                 t = pc()
@@ -260,15 +271,37 @@ async def _manager_run(plan: DecodePlan, record: bool, paired: bool) -> tuple[Pa
                 raise next(iter(res.rejected.values()))
             if k >= plan.warmup:
                 run.step_ns.append(dt)
+                if actors:
+                    run.handler_ns.append(in_handlers[0])
                 if free is not None:
                     free_run.step_ns.append(dt_free)
             if record:
                 run.tables.append((res.block_tables.numpy().copy(), res.slot_mapping.numpy().copy()))
                 if free is not None:
                     free_run.tables.append((out.block_tables.copy(), out.slot_mapping.copy()))
-        if tree is not None and hasattr(tree, "messages_handled"):
-            run.tree_asks = tree.messages_handled - asks0
+        if actors:
+            run.asks_per_step = (sum(a.messages_handled for a in actors) - asks0) / plan.steps
     return run, free_run
+
+
+def _instrument_actors(kv: KVCacheManager) -> list[Actor]:
+    """The manager's shard (and tree, if any) actors, found through private attributes; [] if the layout changed."""
+    found = [*getattr(kv, "_shards", []), *([kv._tree] if getattr(kv, "_tree", None) is not None else [])]
+    return [a for a in found if isinstance(a, Actor)]
+
+
+def _timed_handler(handle: Any, acc: list[int]) -> Any:
+    """Wrap an actor's bound ``handle`` so that the time spent in it adds to ``acc[0]``."""
+    pc = time.perf_counter_ns
+
+    async def timed(msg: Any) -> Any:
+        t = pc()
+        try:
+            return await handle(msg)
+        finally:
+            acc[0] += pc() - t
+
+    return timed
 
 
 def manager_run(plan: DecodePlan, record: bool = False, backend: str = "asyncio") -> PathRun:
@@ -337,13 +370,15 @@ def bench_batch(
     plan = make_plan(batch, steps)
     mgr_ns: list[int] = []
     free_ns: list[int] = []
-    same, tree_asks = True, None
+    handler_ns: list[int] = []
+    same, asks = True, None
     for _ in range(repeats):
         m, f = paired_run(plan, record=True, backend=backend)
         same = same and same_metadata(m, f)
         mgr_ns += m.step_ns
         free_ns += f.step_ns
-        tree_asks = m.tree_asks
+        handler_ns += m.handler_ns
+        asks = m.asks_per_step
     mgr, free = _summary(mgr_ns, batch), _summary(free_ns, batch)
     row = {
         "batch": batch,
@@ -354,12 +389,16 @@ def bench_batch(
         "actor_share_p50": 1 - free["p50_us"] / mgr["p50_us"],
         "actor_share_mean": 1 - free["us_per_seq_tok"] / mgr["us_per_seq_tok"],
         "actor_share_paired": statistics.median(1 - fk / mk for mk, fk in zip(mgr_ns, free_ns)),
-        "tree_asks_per_step": None if tree_asks is None else tree_asks / steps,
+        "asks_per_step": asks,
         "same_metadata": same,
     }
+    if handler_ns:
+        # Where the manager's extra time goes: inside the actor's handler (the shard's work) or outside it
+        # (facade: validation, request and result building, spans, metrics; plus the ask hops).
+        row["manager_in_handler_p50_us"] = pct(handler_ns, 0.5) / 1e3
+        row["manager_outside_handler_p50_us"] = pct([m - h for m, h in zip(mgr_ns, handler_ns)], 0.5) / 1e3
     if ask_p50_us is not None:
-        asks = 1 + (row["tree_asks_per_step"] or 0)
-        row["ask_fraction_of_step"] = ask_p50_us * asks / mgr["p50_us"]
+        row["ask_fraction_of_step"] = ask_p50_us * (asks or 1) / mgr["p50_us"]
     return row
 
 
@@ -385,8 +424,8 @@ def akv_provenance() -> dict[str, Any]:
             [*git, "status", "--porcelain", "--", str(src)], capture_output=True, text=True, check=True
         ).stdout
         out["akv_uncommitted_changes"] = bool(dirty.strip())
-    except (OSError, subprocess.CalledProcessError):
-        out["git_commit"] = None
+    except (OSError, subprocess.CalledProcessError):  # e.g. a `git archive` snapshot on PYTHONPATH
+        out["git_commit"] = os.environ.get("AKV_GIT_COMMIT")
     return out
 
 
@@ -440,17 +479,20 @@ def table(doc: dict) -> str:
     lines += [
         "",
         "| B | steps | manager p50 µs | manager p99 µs | manager µs/seq·tok | actor-free p50 µs | actor-free p99 µs "
-        "| actor-free µs/seq·tok | actor share (paired) | actor share (mean) | tree asks/step | ask share | same metadata |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| actor-free µs/seq·tok | actor share (paired) | actor share (mean) | in handler p50 µs | outside handler p50 µs "
+        "| asks/step | ask share | same metadata |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["decode_steps"]:
         m, f = r["manager"], r["actor_free"]
-        asks = "" if r["tree_asks_per_step"] is None else f"{r['tree_asks_per_step']:.2f}"
+        asks = "" if r.get("asks_per_step") is None else f"{r['asks_per_step']:.2f}"
+        inside = f"{r['manager_in_handler_p50_us']:.0f}" if "manager_in_handler_p50_us" in r else ""
+        outside = f"{r['manager_outside_handler_p50_us']:.0f}" if "manager_outside_handler_p50_us" in r else ""
         ask_share = f"{r['ask_fraction_of_step']:.1%}" if "ask_fraction_of_step" in r else ""
         lines.append(
             f"| {r['batch']} | {r['steps']} | {m['p50_us']:.0f} | {m['p99_us']:.0f} | {m['us_per_seq_tok']:.2f} "
             f"| {f['p50_us']:.0f} | {f['p99_us']:.0f} | {f['us_per_seq_tok']:.2f} | {r['actor_share_paired']:.0%} | {r['actor_share_mean']:.0%} "
-            f"| {asks} | {ask_share} | {r['same_metadata']} |"
+            f"| {inside} | {outside} | {asks} | {ask_share} | {r['same_metadata']} |"
         )
     return "\n".join(lines)
 

@@ -425,8 +425,8 @@ def versions(pb: Any) -> dict:
                 [*git, "status", "--porcelain", "--", str(src)], capture_output=True, text=True, check=True
             ).stdout
             out["akv_uncommitted_changes"] = bool(dirty.strip())
-        except (OSError, subprocess.CalledProcessError):
-            out["git_commit"] = None
+        except (OSError, subprocess.CalledProcessError):  # e.g. a `git archive` snapshot on PYTHONPATH
+            out["git_commit"] = os.environ.get("AKV_GIT_COMMIT")
     return out
 
 
