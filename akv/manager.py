@@ -314,15 +314,9 @@ class KVCacheManager:
         preempted = frozenset(_ids(preempted, "preempted"))
         commits = _mapping(commits, "commits")
         appends = _mapping(appends, "appends")
-        appends_arr: dict[Hashable, Any] = {}
-        for seq_id, tokens in appends.items():
-            if isinstance(tokens, (int, np.integer)) and not isinstance(tokens, (bool, np.bool_)):
-                tokens = int(tokens)  # one decode token: the per-step fast path
-                if not 0 <= tokens < vocab:
-                    raise InvalidTokens(f"token appended to {seq_id!r} is {tokens}, outside [0, {vocab})")
-                appends_arr[seq_id] = tokens
-            else:
-                appends_arr[seq_id] = as_token_array(tokens, vocab, what=f"tokens appended to {seq_id!r}")
+        appends_arr = _decode_tokens(appends, vocab)
+        if appends_arr is None:
+            appends_arr = {seq_id: _append_tokens(seq_id, tokens, vocab) for seq_id, tokens in appends.items()}
         admits_arr = []
         for adm in _items(admits, "admits"):
             if not isinstance(adm, Admit):
@@ -786,6 +780,39 @@ def _mapping(values: Any, what: str) -> Mapping:
     if not isinstance(values, Mapping):
         raise InvalidInput(f"{what} must be a mapping of sequence id -> value, got {type(values).__name__}")
     return values
+
+
+def _append_tokens(seq_id: Hashable, tokens: Any, vocab_size: int) -> int | np.ndarray:
+    """One append's tokens: a validated ``int`` for one token, else an int32 array.
+
+    Raises:
+        InvalidTokens: A token outside ``[0, vocab_size)`` or not an integer.
+    """
+    if isinstance(tokens, (int, np.integer)) and not isinstance(tokens, (bool, np.bool_)):
+        tokens = int(tokens)  # one decode token
+        if not 0 <= tokens < vocab_size:
+            raise InvalidTokens(f"token appended to {seq_id!r} is {tokens}, outside [0, {vocab_size})")
+        return tokens
+    return as_token_array(tokens, vocab_size, what=f"tokens appended to {seq_id!r}")
+
+
+def _decode_tokens(appends: Mapping, vocab_size: int) -> dict | None:
+    """A copy of ``appends`` if it is a decode batch (one valid int token per sequence), else None.
+
+    Checked with a set of types and one numpy range check over the batch
+    instead of a Python check per sequence; anything else (token arrays, numpy
+    scalars, a bad token) goes through the per-item path, which also words the
+    errors.
+    """
+    if not appends or set(map(type, appends.values())) != {int}:
+        return None
+    try:
+        arr = np.fromiter(appends.values(), dtype=np.int64, count=len(appends))
+    except OverflowError:
+        return None
+    if arr.min() < 0 or arr.max() >= vocab_size:
+        return None
+    return dict(appends)
 
 
 def _tensor(array: np.ndarray | None) -> torch.Tensor | None:

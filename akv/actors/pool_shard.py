@@ -24,7 +24,7 @@ from typing import Any
 from akv.actors.messages import Check, Evict, Inspect, Lookup, Stats, Step, Validate
 from akv.actors.runtime import Actor
 from akv.core.radix_tree import RadixTree
-from akv.core.shard_state import ShardCounters, ShardState, TreeGen, apply_tree_ops, drive
+from akv.core.shard_state import ShardCounters, ShardState, apply_tree_ops, drive
 from akv.core.step import StepOutcome, StepRequest
 from akv.errors import AkvError, PoolExhausted
 from akv.obs.tracing import AkvTracer

@@ -445,12 +445,38 @@ class ShardState:
         old = computed[rows]
         new = old + add
         computed[rows] = new
-        if self.enable_prefix_cache:
-            bs, seqs = self.block_size, self.sequences
-            for i in np.flatnonzero(new // bs > old // bs).tolist():
-                seq = seqs[ids[i]]
-                if int(new[i]) // bs > seq.num_published:
-                    self._queue_publish(seq, ops, publishing)
+        if not self.enable_prefix_cache:
+            return
+        bs, seqs = self.block_size, self.sequences
+        single: list[tuple[Sequence, int]] = []  # (sequence, index of its one newly full block)
+        single_rows: list[int] = []
+        for i in np.flatnonzero(new // bs > old // bs).tolist():
+            seq = seqs[ids[i]]
+            full = int(new[i]) // bs
+            if seq.publish_stopped or full <= seq.num_published:
+                continue
+            if full == seq.num_published + 1:  # the decode case: one block just filled
+                single.append((seq, full - 1))
+                single_rows.append(int(rows[i]))
+            else:
+                self._queue_publish(seq, ops, publishing)
+        if single:
+            self._queue_publish_single(single, single_rows, ops, publishing)
+
+    def _queue_publish_single(self, single: list, rows: list[int], ops: TreeOps, publishing: list) -> None:
+        """Queue one tree insert per sequence for its one newly full block, keys cut from one gather."""
+        tables = self.tables
+        cols = np.fromiter((c for _, c in single), dtype=np.intp, count=len(single))
+        r = np.array(rows, dtype=np.intp)
+        blocks = tables.array[r, cols]
+        parents = tables.array[r, np.maximum(cols - 1, 0)].tolist()
+        raw = self.block_tokens[blocks.astype(np.intp) - self.pool.first_block_id].tobytes()
+        width = 4 * self.block_size
+        shard = self.shard_index
+        for j, ((seq, col), block) in enumerate(zip(single, blocks.tolist())):
+            key = raw[j * width : (j + 1) * width]
+            ops.append(("insert", (shard, seq.namespace), parents[j] if col else None, [key], [block]))
+            publishing.append((seq, col, [block]))
 
     def _decode(self, appends, out: StepOutcome) -> tuple[list, np.ndarray, np.ndarray, np.ndarray] | None:
         """The vectorized decode path: one token for each sequence of ``appends``.
@@ -570,29 +596,35 @@ class ShardState:
             return PoolExhausted(need, pool.num_free, evictable)
         out.evicted_blocks += yield from self._evict(need - pool.num_free, protected)
         if need > pool.num_free:
-            raise AssertionError(f"shard {self.shard_index}: eviction left {pool.num_free} free blocks, need {need}")
+            # Cached blocks above a published block that a pending copy still
+            # pins cannot be evicted (only leaves can) until the copy has run.
+            self.counters.pool_exhausted += 1
+            return PoolExhausted(need, pool.num_free, pool.num_cached)
         return None
 
     def _evict(self, num_blocks: int, protected) -> TreeGen:
         """Evict cached leaves in policy order; blocks the tree refuses go to the evict-last end.
 
         A cached block can stand above a block that is not evictable yet (a
-        published block that is still the source of a pending copy); the tree
-        refuses such a non-leaf, and it waits at the evict-last end.
+        published block that a pending copy still pins); the tree refuses such
+        a non-leaf, and it waits at the evict-last end. The loop ends when
+        every cached block was refused once since the last removal.
         """
         evicted = 0
-        while evicted < num_blocks:
-            victims = self.pool.evict_begin(num_blocks - evicted, protected)
+        untried = self.pool.num_cached
+        while evicted < num_blocks and untried > 0:
+            victims = self.pool.evict_begin(min(num_blocks - evicted, untried), protected)
             if not victims:
                 break
+            untried -= len(victims)
             ((removed, refused),) = yield [("remove", victims)]
             self.pool.evict_finish(removed)
             evicted += len(removed)
             if refused:
                 self.pool.evict_abort(refused, to_mru=True)
                 self.counters.eviction_refusals += len(refused)
-                if not removed:
-                    break
+            if removed:  # a removal can turn a refused parent into a leaf: try everything again
+                untried = self.pool.num_cached
         if evicted:
             self.counters.blocks_evicted += evicted
             self.counters.eviction_batches += 1

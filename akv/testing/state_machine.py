@@ -42,7 +42,7 @@ from hypothesis import HealthCheck, assume, event, note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from akv.core.block_pool import ACTIVE, CACHED, FREE
+from akv.core.block_pool import ACTIVE, CACHED, FREE, IN_FLIGHT
 from akv.core.radix_tree import RadixTree, block_keys
 from akv.core.shard_state import ShardCounters, ShardState, drive
 from akv.core.step import Admit, StepOutcome, StepRequest
@@ -431,10 +431,21 @@ class ShardStateMachine(RuleBasedStateMachine):
 
     @rule(max_blocks=st.integers(1, 6))
     def evict(self, max_blocks) -> None:
-        cached = self.shard.pool.num_cached
+        pool = self.shard.pool
+        cached = pool.num_cached
+        # Only leaves go: a cached block above a published block that a pending
+        # copy pins (in flight) must wait for the copy.
+        blocked = {
+            b
+            for p in self._pinned()
+            if p in self.tree and pool.state(p) == IN_FLIGHT
+            for b in self.tree.path(p)[:-1]
+            if pool.state(b) == CACHED
+        }
         evicted = drive(self.shard.evict(max_blocks), self.tree)
-        note(f"evict up to {max_blocks} of {cached} cached -> {evicted}")
-        assert evicted == min(max_blocks, cached), f"evicted {evicted} of {cached} cached (asked {max_blocks})"
+        note(f"evict up to {max_blocks} of {cached} cached ({len(blocked)} blocked) -> {evicted}")
+        expected = min(max_blocks, cached - len(blocked))
+        assert evicted == expected, f"evicted {evicted} of {cached} cached, {len(blocked)} blocked (asked {max_blocks})"
         assert self.shard.pool.num_cached == cached - evicted
         self._resync_after_eviction(evicted)
 
