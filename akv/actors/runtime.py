@@ -36,8 +36,8 @@ class Reply:
 
     __slots__ = ("_error", "_event", "_value")
 
-    def __init__(self) -> None:
-        self._event = anyio.Event()
+    def __init__(self, event_type: type = anyio.Event) -> None:
+        self._event = event_type()
         self._value: Any = None
         self._error: BaseException | None = None
 
@@ -91,6 +91,9 @@ class Actor:
         self._scope: anyio.CancelScope | None = None
         self._current: Reply | None = None
         self.on_crash: Callable[[Actor, BaseException], None] | None = None
+        #: The running backend's Event class, resolved once in :meth:`run`:
+        #: ``anyio.Event()`` looks the backend up on every call (2.3 of its 4.9 us).
+        self._event_type: type = anyio.Event
         self.log = (logger or structlog.get_logger("akv")).bind(actor=name)
         #: Highest number of messages seen waiting in the inbox.
         self.max_inbox_depth = 0
@@ -116,9 +119,9 @@ class Actor:
             if len(self._inbox) < self.inbox_capacity:
                 break
             if self._not_full is None:
-                self._not_full = anyio.Event()
+                self._not_full = self._event_type()
             await self._not_full.wait()
-        reply = Reply()
+        reply = Reply(self._event_type)
         inbox = self._inbox
         inbox.append((msg, reply))
         if len(inbox) > self.max_inbox_depth:
@@ -156,6 +159,7 @@ class Actor:
     async def run(self) -> None:
         """Serve messages until closed (after draining) or stopped. Run it in the manager's task group."""
         inbox = self._inbox
+        self._event_type = type(anyio.Event())
         with anyio.CancelScope() as scope:
             self._scope = scope
             try:
@@ -163,7 +167,7 @@ class Actor:
                     if not inbox:
                         if self._closed:
                             return
-                        self._not_empty = anyio.Event()
+                        self._not_empty = self._event_type()
                         await self._not_empty.wait()
                         self._not_empty = None
                         continue

@@ -31,14 +31,22 @@ def as_token_array(tokens, vocab_size: int, *, what: str = "tokens") -> np.ndarr
     if isinstance(tokens, np.ndarray):
         arr = tokens
     else:
+        arr = None
         if isinstance(tokens, (list, tuple)):
-            for i, t in enumerate(tokens):
-                if type(t) is bool or not isinstance(t, (int, np.integer)):
-                    raise InvalidTokens(f"{what}: token {i} is {t!r} ({type(t).__name__}), not an int")
-        try:
-            arr = np.asarray(tokens)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise InvalidTokens(f"{what}: not an array of token ids ({exc})") from None
+            if set(map(type, tokens)) == {int}:  # the usual case, checked in one C pass
+                try:
+                    arr = np.fromiter(tokens, dtype=np.int64, count=len(tokens))
+                except OverflowError:
+                    raise InvalidTokens(f"{what}: a token id does not fit in 64 bits") from None
+            else:
+                for i, t in enumerate(tokens):
+                    if type(t) is bool or not isinstance(t, (int, np.integer)):
+                        raise InvalidTokens(f"{what}: token {i} is {t!r} ({type(t).__name__}), not an int")
+        if arr is None:
+            try:
+                arr = np.asarray(tokens)
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise InvalidTokens(f"{what}: not an array of token ids ({exc})") from None
     if arr.ndim == 0 and arr.dtype.kind in "iu":
         arr = arr.reshape(1)  # one token as a numpy or torch integer scalar
     if arr.ndim != 1:
