@@ -677,6 +677,32 @@ def cmd_report(a, argv) -> int:
         (RESULTS / name).write_text(json.dumps(out, indent=1) + "\n")
         merged[trace] = out
         print(f"wrote {RESULTS / name}")
+        cols = sorted({k for row in out["hit_rates"].values() for k in row}, key=_label_sort)
+        print(f"\n{trace} hit rate (akv share of Belady in parentheses)\n")
+        print("| size | blocks | " + " | ".join(cols) + " |")
+        print("|---|---:|" + "---:|" * len(cols))
+        for size, row in out["hit_rates"].items():
+            cells = []
+            for c in cols:
+                v = row.get(c)
+                if v is None:
+                    cells.append("–")
+                elif "of_belady" in v and c != "belady":
+                    cells.append(f"{v['hit_rate']:.2%} ({v['of_belady']:.0%})")
+                else:
+                    cells.append(f"{v['hit_rate']:.2%}")
+            print(f"| {size} | {out['sizes'].get(size, '?'):,} | " + " | ".join(cells) + " |")
+        print(f"\n{trace} per-step manager latency (µs)\n")
+        print("| size | manager | p50 | p90 | p99 | p99.9 | max | mean | mgr s |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        for size, lat in out["step_latency"].items():
+            for label in sorted(lat, key=_label_sort):
+                q = lat[label]
+                print(
+                    f"| {size} | {label} | {q['p50_us']:.0f} | {q['p90_us']:.0f} | {q['p99_us']:.0f} | "
+                    f"{q['p999_us']:.0f} | {q['max_us']:.0f} | {q['mean_us']:.0f} | "
+                    f"{out['hit_rates'][size][label]['mgr_s']:.1f} |"
+                )
         for size in out["hit_rates"]:
             row = out["hit_rates"][size]
             cells = "  ".join(
@@ -693,8 +719,8 @@ def cmd_report(a, argv) -> int:
         m = merged[trace]
         sweep = m["sweep"]
         xs = [p["blocks"] for p in sweep]
-        ax.plot(xs, [p["belady"] for p in sweep], "k-", lw=1.5, label="Belady (MIN), simulated")
-        ax.plot(xs, [p["lru_model"] for p in sweep], "k:", lw=1, label="LRU model, simulated")
+        ax.plot(xs, [p["belady"] for p in sweep], "k-", marker="x", lw=1.5, label="Belady (MIN), simulated")
+        ax.plot(xs, [p["lru_model"] for p in sweep], "k:", marker="+", lw=1, label="LRU model, simulated")
         ax.axhline(
             next(iter(m["hit_rates"].values()))["unbounded"]["hit_rate"],
             color="grey",
@@ -734,7 +760,7 @@ def cmd_report(a, argv) -> int:
         ax.set_ylabel("prefix hit rate (cached prompt tokens / prompt tokens)")
         ax.set_title(f"Mooncake {trace}: first {m['requests']} requests, B={m['preset']['batch']}")
         ax.set_ylim(bottom=0)
-        ax.legend(fontsize=8, loc="upper left")
+        ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(DOCS / "hit_rate.png", dpi=110)
     print(f"wrote {DOCS / 'hit_rate.png'}")
