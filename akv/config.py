@@ -108,7 +108,11 @@ class KVCacheConfig:
         debug_invariants: Check block-state conservation after every message
             (cheap counters) and raise on violation; for tests and stress runs.
         eviction_policy: Which cached block to evict first, by name (see
-            :data:`akv.core.eviction_policy.EVICTION_POLICIES`; default ``"lru"``).
+            :data:`akv.core.eviction_policy.EVICTION_POLICIES`). Default
+            ``"slru"``: never-hit blocks go before hit ones; on the Mooncake
+            conversation trace it beats LRU by 0.8-0.9 points of hit rate
+            (+19 % relative at the tight pool) at LRU's O(1) cost
+            (docs/benchmarks.md, "Eviction quality").
 
     Raises:
         ValueError: Any field out of range.
@@ -127,7 +131,7 @@ class KVCacheConfig:
     eviction_batch_blocks: int = 256
     inbox_capacity: int = 1024
     debug_invariants: bool = False
-    eviction_policy: str = "lru"
+    eviction_policy: str = "slru"
 
     def __post_init__(self) -> None:
         for field in ("num_blocks", "block_size", "vocab_size", "num_shards", "eviction_batch_blocks", "inbox_capacity"):

@@ -34,7 +34,8 @@ from akv.testing import PendingCopiesMachine, ShardStateMachine
 BASE = 10
 N = 8
 POLICIES = tuple(EVICTION_POLICIES)
-HEAP_POLICIES = tuple(p for p in POLICIES if p != "lru")
+COUNTING_POLICIES = tuple(p for p in POLICIES if p != "lru")  # keep hit counts
+HEAP_POLICIES = tuple(p for p in COUNTING_POLICIES if p != "slru")  # served by KeyedOrder
 
 
 def make_pool(policy: str) -> BlockPool:
@@ -144,7 +145,7 @@ def test_lru_order_is_unchanged_and_counts_no_hits() -> None:
     assert pool.evict_begin(7) == [12, 11, 14, 13, 10, 16, 15]
 
 
-@pytest.mark.parametrize("policy", HEAP_POLICIES)
+@pytest.mark.parametrize("policy", COUNTING_POLICIES)
 def test_hits_are_counted_on_any_state_and_forks_do_not_count(policy: str) -> None:
     pool = make_pool(policy)
     a = pool.allocate(2)  # 10, 11
@@ -158,7 +159,7 @@ def test_hits_are_counted_on_any_state_and_forks_do_not_count(policy: str) -> No
     pool.check()
 
 
-@pytest.mark.parametrize("policy", HEAP_POLICIES)
+@pytest.mark.parametrize("policy", COUNTING_POLICIES)
 def test_statistics_reset_when_a_block_is_evicted_and_reallocated(policy: str) -> None:
     pool = make_pool(policy)
     scenario(pool)
@@ -223,7 +224,7 @@ def test_abort_to_mru_puts_blocks_at_the_evict_last_end(policy: str) -> None:
     pool.check()
 
 
-@pytest.mark.parametrize("policy", HEAP_POLICIES)
+@pytest.mark.parametrize("policy", COUNTING_POLICIES)
 def test_deferred_blocks_stay_behind_later_releases_until_they_leave_the_cache(policy: str) -> None:
     pool = make_pool(policy)
     scenario(pool)
@@ -285,7 +286,7 @@ def test_stale_heap_entries_are_compacted(policy: str) -> None:
     pool.check()
 
 
-@pytest.mark.parametrize("policy", HEAP_POLICIES)
+@pytest.mark.parametrize("policy", COUNTING_POLICIES)
 def test_keyed_hits_and_evictions_are_logarithmic(policy: str) -> None:
     # 60,000 cached blocks, 6,000 hits then 12,000 evictions: O(log n) each is well
     # under a second; an O(n) scan per operation would take minutes.
@@ -496,3 +497,19 @@ async def test_manager_scan_resistance(policy: str, hot_hit_tokens: int) -> None
             assert stats.blocks_evicted > 0
             assert await kv.add_sequence("hot-again", hot) == hot_hit_tokens
             await kv.check()
+
+
+def test_slru_segments_are_ordered_lists_checked_by_check() -> None:
+    pool = make_pool("slru")
+    scenario(pool)
+    order = SCENARIO_ORDER["slru"]
+    # Aborted after a skip, blocks go back to the head of their segment (as LRU does).
+    taken = pool.evict_begin(2, skip={order[0]})
+    pool.evict_abort(taken)
+    assert pool.eviction_order() == [*taken, order[0], *order[3:]]
+    pool.check()
+    seg = pool._keyed
+    protected = next(iter(seg._protected))
+    seg.hits[protected - seg.base] = 0  # a never-hit block in the protected segment
+    with pytest.raises(AssertionError, match="never hit but in the protected segment"):
+        pool.check()

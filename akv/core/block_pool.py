@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Container, Iterable
 
-from akv.core.eviction_policy import EvictionPolicy, KeyedOrder, eviction_policy, lru_key
+from akv.core.eviction_policy import EvictionPolicy, KeyedOrder, SegmentedOrder, eviction_policy, lru_key, slru_key
 
 FREE = 0
 ACTIVE = 1
@@ -94,9 +94,11 @@ class BlockPool:
         self._free = list(reversed(block_ids))  # pop() yields the lowest id first
         # Cached block ids in eviction order: an OrderedDict (oldest first) for
         # LRU, else a KeyedOrder, which offers the same mapping operations.
-        self._keyed: KeyedOrder | None = None
+        self._keyed: KeyedOrder | SegmentedOrder | None = None
         if self.policy.name == "lru" and self.policy.key is lru_key:
-            self._lru: OrderedDict[int, None] | KeyedOrder = OrderedDict()
+            self._lru: OrderedDict[int, None] | KeyedOrder | SegmentedOrder = OrderedDict()
+        elif self.policy.key is slru_key:
+            self._keyed = self._lru = SegmentedOrder(self.first_block_id, n)
         else:
             self._keyed = self._lru = KeyedOrder(self.policy, self.first_block_id, n)
         self._counts = [n, 0, 0, 0]

@@ -20,8 +20,10 @@ also a hit on its parent, and a parent is released after its children), so
 eviction meets leaves first and the tree rarely refuses a victim.
 
 ``"lru"`` is served by :class:`~akv.core.block_pool.BlockPool` with an
-``OrderedDict`` (O(1) per operation, the hot path); every other policy by a
-:class:`KeyedOrder`, a binary heap with lazy invalidation (O(log n)).
+``OrderedDict`` (O(1) per operation, the hot path); ``"slru"`` by a
+:class:`SegmentedOrder` (two ``OrderedDict`` segments, O(1), the same order
+as its key); every other policy by a :class:`KeyedOrder`, a binary heap with
+lazy invalidation (O(log n)).
 
 S3-FIFO (Yang et al., "FIFO Queues are All You Need for Cache Eviction",
 SOSP 2023) is not offered: its small and main FIFOs and ghost list are queue
@@ -31,7 +33,9 @@ state that a per-block key cannot express.
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
+from itertools import chain
 from dataclasses import dataclass
 
 #: ``key(num_hits, last_release) -> tuple``; the smallest key is evicted first.
@@ -106,7 +110,7 @@ class EvictionPolicy:
     key: KeyFunction
 
 
-#: Policies by name; ``"lru"`` is the default.
+#: Policies by name; ``KVCacheConfig`` defaults to ``"slru"`` (the core's ``BlockPool`` to ``"lru"``).
 EVICTION_POLICIES: dict[str, EvictionPolicy] = {
     "lru": EvictionPolicy("lru", lru_key),
     "lfu": EvictionPolicy("lfu", lfu_key),
@@ -294,3 +298,117 @@ class KeyedOrder:
         if len(heap) > 2 * self._size + 64:
             self._heap = self._live_entries()
             heapq.heapify(self._heap)
+
+
+class SegmentedOrder:
+    """Cached blocks in :func:`slru_key` order with O(1) operations: one ``OrderedDict`` per segment.
+
+    Probationary (never hit) blocks in release order, then protected (hit)
+    blocks in release order, then the evict-last lane (blocks the prefix tree
+    refused). Because a block's hit count only changes while it is out of the
+    cache (a hit takes a reference), release order within a segment is
+    exactly the key order, so no heap is needed. Offers the same operations
+    as :class:`KeyedOrder`.
+
+    Args:
+        first_block_id: Lowest block id of the pool.
+        num_blocks: Blocks in the pool.
+    """
+
+    __slots__ = ("_deferred", "_probation", "_protected", "base", "hits", "policy")
+
+    def __init__(self, first_block_id: int, num_blocks: int) -> None:
+        self.policy = EVICTION_POLICIES["slru"]
+        self.base = first_block_id
+        #: Prefix hits per block offset since its allocation.
+        self.hits = [0] * num_blocks
+        self._probation: OrderedDict[int, None] = OrderedDict()
+        self._protected: OrderedDict[int, None] = OrderedDict()
+        self._deferred: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._probation) + len(self._protected) + len(self._deferred)
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._probation or block_id in self._protected or block_id in self._deferred
+
+    def __setitem__(self, block_id: int, _value: None) -> None:
+        """``block_id`` entered the cache now: the tail of its segment."""
+        if self.hits[block_id - self.base]:
+            self._protected[block_id] = None
+        else:
+            self._probation[block_id] = None
+
+    def __delitem__(self, block_id: int) -> None:
+        """``block_id`` left the cache (a hit took a reference)."""
+        for seg in (self._probation, self._protected, self._deferred):
+            if block_id in seg:
+                del seg[block_id]
+                return
+        raise KeyError(block_id)
+
+    def __iter__(self) -> Iterator[int]:
+        """Block ids in eviction order."""
+        return chain(self._probation, self._protected, self._deferred)
+
+    def record_hits(self, block_ids: Iterable[int]) -> None:
+        """Count one prefix hit on each block."""
+        base, hits = self.base, self.hits
+        for b in block_ids:
+            hits[b - base] += 1
+
+    def reset(self, block_ids: Iterable[int]) -> None:
+        """Zero the statistics of freshly allocated blocks."""
+        base, hits = self.base, self.hits
+        for b in block_ids:
+            hits[b - base] = 0
+
+    def pop_first(self, max_blocks: int, skip) -> list[int]:
+        """Take up to ``max_blocks`` blocks from the evict-first end; blocks in ``skip`` keep their place."""
+        out: list[int] = []
+        for seg in (self._probation, self._protected, self._deferred):
+            if len(out) >= max_blocks:
+                break
+            if not skip:
+                for _ in range(min(max_blocks - len(out), len(seg))):
+                    out.append(seg.popitem(last=False)[0])
+            else:
+                taken = []
+                for b in seg:
+                    if len(out) + len(taken) >= max_blocks:
+                        break
+                    if b not in skip:
+                        taken.append(b)
+                for b in taken:
+                    del seg[b]
+                out.extend(taken)
+        return out
+
+    def restore(self, block_ids: list[int]) -> None:
+        """Put blocks taken by :meth:`pop_first` back at the head of their segment, in their old order."""
+        for b in reversed(block_ids):
+            seg = self._protected if self.hits[b - self.base] else self._probation
+            seg[b] = None
+            seg.move_to_end(b, last=False)
+
+    def defer(self, block_ids: Iterable[int]) -> None:
+        """Put blocks taken by :meth:`pop_first` at the evict-last end, in the given order."""
+        for b in block_ids:
+            self._deferred[b] = None
+
+    def check(self, cached_ids: Iterable[int]) -> None:
+        """Validate the segments against the pool's cached blocks.
+
+        Raises:
+            AssertionError: The segments do not hold exactly ``cached_ids``
+                (each once), or a block sits in the wrong segment for its hit count.
+        """
+        ids = sorted(self)
+        if len(ids) != len(set(ids)) or ids != sorted(cached_ids):
+            raise AssertionError(f"eviction order holds {ids}, cached blocks are {sorted(cached_ids)}")
+        for b in self._probation:
+            if self.hits[b - self.base]:
+                raise AssertionError(f"block {b}: hit {self.hits[b - self.base]} times but in the probationary segment")
+        for b in self._protected:
+            if not self.hits[b - self.base]:
+                raise AssertionError(f"block {b}: never hit but in the protected segment")
