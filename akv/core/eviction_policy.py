@@ -35,8 +35,8 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from itertools import chain
 from dataclasses import dataclass
+from itertools import chain
 
 #: ``key(num_hits, last_release) -> tuple``; the smallest key is evicted first.
 KeyFunction = Callable[[int, int], tuple]
