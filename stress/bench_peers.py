@@ -412,21 +412,10 @@ def versions(pb: Any) -> dict:
             out[dist] = metadata.version(dist)
     out["uname"] = " ".join(platform.uname()).strip()
     out["cpu_count"] = os.cpu_count()
-    akv = sys.modules.get("akv")
-    if akv is not None:
-        src = Path(akv.__file__).resolve().parent
-        out["akv_path"] = str(src)
-        git = ["git", "-C", str(src.parent)]
-        try:
-            out["git_commit"] = subprocess.run(
-                [*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-            ).stdout.strip()
-            dirty = subprocess.run(
-                [*git, "status", "--porcelain", "--", str(src)], capture_output=True, text=True, check=True
-            ).stdout
-            out["akv_uncommitted_changes"] = bool(dirty.strip())
-        except (OSError, subprocess.CalledProcessError):  # e.g. a `git archive` snapshot on PYTHONPATH
-            out["git_commit"] = os.environ.get("AKV_GIT_COMMIT")
+    if "akv" in sys.modules:
+        from bench_micro import akv_provenance  # stress/ is on sys.path: scripts run from there
+
+        out.update(akv_provenance())
     return out
 
 

@@ -2,29 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
-import sys
 from pathlib import Path
 
 import anyio
 import numpy as np
 import pytest
+from stress_scripts import load
 
-STRESS = Path(__file__).resolve().parent.parent / "stress"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, STRESS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench_micro = _load("bench_micro")
-bench_peers = _load("bench_peers")
+bench_micro = load("bench_micro")
+bench_peers = load("bench_peers")
 
 
 def test_actor_free_path_matches_manager_path() -> None:

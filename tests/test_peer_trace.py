@@ -5,27 +5,11 @@ No peers needed: stress/peer_trace.py imports peer_bench and the peers only in `
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from stress_scripts import load
 
-STRESS = Path(__file__).resolve().parent.parent / "stress"
-
-
-def _load(name: str):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, STRESS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-be = _load("bench_eviction")
-pt = _load("peer_trace")
+be = load("bench_eviction")
+pt = load("peer_trace")
 
 
 def _sim(events, blocks, capacity, policy, caps=None, out_cached=None, watermarks=None):

@@ -139,7 +139,35 @@ _NORMAL = 0
 _DEFERRED = 1
 
 
-class KeyedOrder:
+class HitCounts:
+    """Prefix hits per block of one pool, shared by the orders that key on them.
+
+    Args:
+        first_block_id: Lowest block id of the pool.
+        num_blocks: Blocks in the pool.
+    """
+
+    __slots__ = ("base", "hits")
+
+    def __init__(self, first_block_id: int, num_blocks: int) -> None:
+        self.base = first_block_id
+        #: Prefix hits per block offset since its allocation.
+        self.hits = [0] * num_blocks
+
+    def record_hits(self, block_ids: Iterable[int]) -> None:
+        """Count one prefix hit on each block."""
+        base, hits = self.base, self.hits
+        for b in block_ids:
+            hits[b - base] += 1
+
+    def reset(self, block_ids: Iterable[int]) -> None:
+        """Zero the statistics of freshly allocated blocks."""
+        base, hits = self.base, self.hits
+        for b in block_ids:
+            hits[b - base] = 0
+
+
+class KeyedOrder(HitCounts):
     """Cached blocks of one pool in the order of a key function (a lazy binary heap).
 
     It offers the subset of ``OrderedDict`` that :class:`~akv.core.block_pool.BlockPool`
@@ -160,14 +188,12 @@ class KeyedOrder:
         num_blocks: Blocks in the pool.
     """
 
-    __slots__ = ("_entry", "_heap", "_in", "_key", "_size", "_tick", "base", "hits", "policy")
+    __slots__ = ("_entry", "_heap", "_in", "_key", "_size", "_tick", "policy")
 
     def __init__(self, policy: EvictionPolicy, first_block_id: int, num_blocks: int) -> None:
         self.policy = policy
         self._key = policy.key
-        self.base = first_block_id
-        #: Prefix hits per block offset since its allocation.
-        self.hits = [0] * num_blocks
+        super().__init__(first_block_id, num_blocks)
         self._entry: list[tuple | None] = [None] * num_blocks  # the block's latest heap entry
         self._in = [False] * num_blocks  # whether that entry is live (the block is in the order)
         self._heap: list[tuple] = []
@@ -200,19 +226,6 @@ class KeyedOrder:
     def __iter__(self) -> Iterator[int]:
         """Block ids in eviction order (O(n log n))."""
         return (e[3] for e in sorted(self._live_entries()))
-
-    # ------------------------------------------------------ statistics
-    def record_hits(self, block_ids: Iterable[int]) -> None:
-        """Count one prefix hit on each block."""
-        base, hits = self.base, self.hits
-        for b in block_ids:
-            hits[b - base] += 1
-
-    def reset(self, block_ids: Iterable[int]) -> None:
-        """Zero the statistics of freshly allocated blocks."""
-        base, hits = self.base, self.hits
-        for b in block_ids:
-            hits[b - base] = 0
 
     # -------------------------------------------------------- eviction
     def pop_first(self, max_blocks: int, skip) -> list[int]:
@@ -300,7 +313,7 @@ class KeyedOrder:
             heapq.heapify(self._heap)
 
 
-class SegmentedOrder:
+class SegmentedOrder(HitCounts):
     """Cached blocks in :func:`slru_key` order with O(1) operations: one ``OrderedDict`` per segment.
 
     Probationary (never hit) blocks in release order, then protected (hit)
@@ -315,13 +328,11 @@ class SegmentedOrder:
         num_blocks: Blocks in the pool.
     """
 
-    __slots__ = ("_deferred", "_probation", "_protected", "base", "hits", "policy")
+    __slots__ = ("_deferred", "_probation", "_protected", "policy")
 
     def __init__(self, first_block_id: int, num_blocks: int) -> None:
         self.policy = EVICTION_POLICIES["slru"]
-        self.base = first_block_id
-        #: Prefix hits per block offset since its allocation.
-        self.hits = [0] * num_blocks
+        super().__init__(first_block_id, num_blocks)
         self._probation: OrderedDict[int, None] = OrderedDict()
         self._protected: OrderedDict[int, None] = OrderedDict()
         self._deferred: OrderedDict[int, None] = OrderedDict()
@@ -351,17 +362,6 @@ class SegmentedOrder:
         """Block ids in eviction order."""
         return chain(self._probation, self._protected, self._deferred)
 
-    def record_hits(self, block_ids: Iterable[int]) -> None:
-        """Count one prefix hit on each block."""
-        base, hits = self.base, self.hits
-        for b in block_ids:
-            hits[b - base] += 1
-
-    def reset(self, block_ids: Iterable[int]) -> None:
-        """Zero the statistics of freshly allocated blocks."""
-        base, hits = self.base, self.hits
-        for b in block_ids:
-            hits[b - base] = 0
 
     def pop_first(self, max_blocks: int, skip) -> list[int]:
         """Take up to ``max_blocks`` blocks from the evict-first end; blocks in ``skip`` keep their place."""
