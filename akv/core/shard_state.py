@@ -103,6 +103,21 @@ class ShardCounters:
     resumed_cached_tokens: int = 0
 
 
+@dataclass(slots=True)
+class Checked:
+    """What :meth:`ShardState.validate` found, reused by :meth:`ShardState.step`.
+
+    Attributes:
+        commit_rows: intp ``(len(commits),)`` rows of the committed sequences, in order.
+        commit_counts: int64 ``(len(commits),)`` tokens committed.
+        single_appends: Every append is one ``int`` token (a decode batch).
+    """
+
+    commit_rows: np.ndarray | None = None
+    commit_counts: np.ndarray | None = None
+    single_appends: bool = False
+
+
 class ShardState:
     """Sequences and blocks of one shard.
 
@@ -196,7 +211,7 @@ class ShardState:
             DuplicateSequence: An admission or fork child reuses a live id.
             InvalidInput: Bad commit counts or empty token arrays.
         """
-        self.validate(req)
+        checked = self.validate(req)
         bs, seqs, pool, tables = self.block_size, self.sequences, self.pool, self.tables
         out = StepOutcome()
 
@@ -211,7 +226,7 @@ class ShardState:
         ops: TreeOps = []
         publishing: list = []
         if req.commits:
-            self._commit(req.commits, ops, publishing)
+            self._commit(req.commits, checked, ops, publishing)
 
         for parent_id, child_ids in req.forks:
             parent = seqs[parent_id]
@@ -248,7 +263,7 @@ class ShardState:
             _protect(protected, hits)
 
         # Scheduled rows, in metadata order: (seq ids, rows, first new position, new tokens).
-        decoded = self._decode(req.appends, out) if req.appends else None
+        decoded = self._decode(req.appends, out) if checked.single_appends else None
         sched_ids: list = []
         sched: list[tuple[int, int, int]] = []
         if req.appends and decoded is None:
@@ -362,20 +377,28 @@ class ShardState:
         self.pool.unpin_copied(block_ids)
 
     # ------------------------------------------------------------- internals
-    def validate(self, req: StepRequest) -> None:
+    def validate(self, req: StepRequest) -> Checked:
         """Raise the error :meth:`step` would raise for ``req``; change nothing.
 
         The common case (every id known, every count an int) is checked with
         set and array operations; any problem reruns the per-item checks to
         report the first offending item in request order.
 
+        Returns:
+            What the checks found that :meth:`step` reuses.
+
         Raises:
             UnknownSequence, DuplicateSequence, InvalidInput: As :meth:`step`.
         """
         seqs = self.sequences
         freed = {s for s in req.frees if s in seqs}
-        if req.commits and not self._commits_ok(req.commits, freed):
-            self._validate_commits(req.commits, freed)
+        checked = Checked()
+        if req.commits:
+            found = self._commits_ok(req.commits, freed)
+            if found is None:
+                self._validate_commits(req.commits, freed)
+                found = self._commit_arrays(req.commits)
+            checked.commit_rows, checked.commit_counts = found
         created: set = set()
 
         def live(seq_id: Hashable) -> bool:
@@ -395,7 +418,7 @@ class ShardState:
         if appends:
             keys = appends.keys()
             unknown = ((keys - seqs.keys()) | (keys & freed)) - created
-            single = set(map(type, appends.values())) == {int}
+            checked.single_appends = single = set(map(type, appends.values())) == {int}
             if unknown or not single:
                 for seq_id, tokens in appends.items():
                     if (seq_id not in seqs or seq_id in freed) and seq_id not in created:
@@ -408,17 +431,24 @@ class ShardState:
             created.add(adm.seq_id)
             if len(adm.prompt) == 0:
                 raise InvalidInput(f"empty prompt for sequence {adm.seq_id!r}")
+        return checked
 
-    def _commits_ok(self, commits, freed: set) -> bool:
-        """Vectorized commit check: all ids live, all counts ints within range."""
+    def _commits_ok(self, commits, freed: set) -> tuple[np.ndarray, np.ndarray] | None:
+        """Vectorized commit check: all ids live, all counts ints within range; their rows and counts, or None."""
         keys = commits.keys()
         if (keys - self.sequences.keys()) or (keys & freed) or set(map(type, commits.values())) != {int}:
-            return False
-        n = len(commits)
-        rows = np.fromiter(map(self.rows.__getitem__, keys), dtype=np.intp, count=n)
-        add = np.fromiter(commits.values(), dtype=np.int64, count=n)
+            return None
+        rows, add = self._commit_arrays(commits)
         t = self.tables
-        return bool((add >= 0).all() and (t.num_computed[rows] + add <= t.num_tokens[rows]).all())
+        if (add >= 0).all() and (t.num_computed[rows] + add <= t.num_tokens[rows]).all():
+            return rows, add
+        return None
+
+    def _commit_arrays(self, commits) -> tuple[np.ndarray, np.ndarray]:
+        """Rows (intp) and token counts (int64) of valid ``commits``, in their order."""
+        n = len(commits)
+        rows = np.fromiter(map(self.rows.__getitem__, commits), dtype=np.intp, count=n)
+        return rows, np.fromiter(map(int, commits.values()), dtype=np.int64, count=n)
 
     def _validate_commits(self, commits, freed: set) -> None:
         seqs = self.sequences
@@ -435,12 +465,10 @@ class ShardState:
                     f"{tokens - computed} ({computed} of {tokens} tokens computed)"
                 )
 
-    def _commit(self, commits, ops: TreeOps, publishing: list) -> None:
+    def _commit(self, commits, checked: Checked, ops: TreeOps, publishing: list) -> None:
         """Add committed token counts (vectorized); queue the publishing of newly full blocks."""
-        n = len(commits)
         ids = list(commits)
-        rows = np.fromiter(map(self.rows.__getitem__, ids), dtype=np.intp, count=n)
-        add = np.fromiter(commits.values(), dtype=np.int64, count=n)
+        rows, add = checked.commit_rows, checked.commit_counts
         computed = self.tables.num_computed
         old = computed[rows]
         new = old + add
@@ -479,16 +507,14 @@ class ShardState:
             publishing.append((seq, col, [block]))
 
     def _decode(self, appends, out: StepOutcome) -> tuple[list, np.ndarray, np.ndarray, np.ndarray] | None:
-        """The vectorized decode path: one token for each sequence of ``appends``.
+        """The vectorized decode path: one ``int`` token for each sequence of ``appends``.
 
         Returns ``(seq_ids, rows, positions, slots)`` (int arrays of shape
-        ``(batch,)``), or None without changing anything when the batch does
-        not qualify (a multi-token append, or fewer free blocks than its new
-        blocks and copies need: the general path then evicts or rejects).
+        ``(batch,)``), or None without changing anything when the batch's new
+        blocks and copies do not fit in the free blocks (the general path then
+        evicts or rejects).
         """
         values = appends.values()
-        if set(map(type, values)) != {int}:
-            return None
         bs, pool, tables = self.block_size, self.pool, self.tables
         n = len(appends)
         ids = list(appends)
