@@ -627,7 +627,10 @@ class KVCacheManager:
     async def lookup(self, prompt: Any, *, namespace: Hashable = None) -> int:
         """Prompt tokens that would be served from the cache right now; no side effects.
 
-        For cache-aware routers: touches neither recency nor refcounts.
+        For cache-aware routers: touches neither recency nor refcounts. With
+        ``num_shards > 1`` this is the best shard's count; an admission is
+        placed by free blocks, not by prefix, so it may be served fewer
+        (docs/architecture.md, "Several shards").
 
         Raises:
             InvalidTokens: Bad prompt.

@@ -316,3 +316,19 @@ async def test_case8_concurrent_admissions_all_or_nothing(tiny_config) -> None:
         assert len((await kv.sequence(losers[0])).block_ids) == 3
         await kv.free(losers[0])
         await kv.check()
+
+
+@pytest.mark.parametrize("count", [2**63, 2**70, -(2**63) - 1])
+@pytest.mark.parametrize("num_shards", [1, 2])
+async def test_commit_count_beyond_int64_is_invalid_input_not_a_crash(tiny_config, count: int, num_shards: int) -> None:
+    # Fresh-eyes review: np.fromiter overflowed inside the shard and crashed the manager.
+    async with KVCacheManager(tiny_config(num_shards=num_shards)) as kv:
+        await kv.add_sequence("a", [1, 2, 3])
+        before = await kv.stats()
+        with pytest.raises(InvalidInput):
+            await kv.step(commits={"a": count})
+        with pytest.raises(InvalidInput):
+            await kv.commit("a", count)
+        await kv.check()
+        assert await kv.stats() == before
+        assert (await kv.sequence("a")).num_computed == 0

@@ -438,7 +438,10 @@ class ShardState:
         keys = commits.keys()
         if (keys - self.sequences.keys()) or (keys & freed) or set(map(type, commits.values())) != {int}:
             return None
-        rows, add = self._commit_arrays(commits)
+        try:
+            rows, add = self._commit_arrays(commits)
+        except OverflowError:  # a count beyond int64: the per-item check words the error
+            return None
         t = self.tables
         if (add >= 0).all() and (t.num_computed[rows] + add <= t.num_tokens[rows]).all():
             return rows, add
