@@ -239,7 +239,10 @@ class BlockPool:
             ValueError: A block's refcount is already 0 (a double free).
         """
         base, ref, state, published = self.first_block_id, self._refcount, self._state, self._published
-        pins, lru, free, counts = self._copy_pins, self._lru, self._free, self._counts
+        pins, free, counts = self._copy_pins, self._free, self._counts
+        cached: list[int] = []
+        keyed = self._keyed is not None
+        lru = self._lru
         for b in block_ids:
             i = b - base
             r = ref[i] - 1
@@ -256,12 +259,17 @@ class BlockPool:
             elif published[i]:
                 state[i] = CACHED
                 counts[CACHED] += 1
-                lru[b] = None
+                if keyed:
+                    cached.append(b)
+                else:
+                    lru[b] = None
             else:
                 state[i] = FREE
                 counts[FREE] += 1
                 free.append(b)
                 self.blocks_freed += 1
+        if cached:  # a keyed order takes them in one call, in release order
+            self._keyed.extend(cached)
 
     def mark_published(self, block_ids: Iterable[int]) -> None:
         """Record that these (referenced) blocks are now in the prefix cache."""

@@ -215,6 +215,11 @@ class KeyedOrder(HitCounts):
         entry = (_NORMAL, self._key(self.hits[i], tick), tick, block_id)
         self._push(i, entry)
 
+    def extend(self, block_ids: Iterable[int]) -> None:
+        """Blocks entered the cache now, in this order (``order[b] = None`` for each)."""
+        for b in block_ids:
+            self[b] = None
+
     def __delitem__(self, block_id: int) -> None:
         """``block_id`` left the cache (a hit took a reference); its heap entry goes stale."""
         i = block_id - self.base
@@ -349,6 +354,15 @@ class SegmentedOrder(HitCounts):
             self._protected[block_id] = None
         else:
             self._probation[block_id] = None
+
+    def extend(self, block_ids: Iterable[int]) -> None:
+        """Blocks entered the cache now, in this order: each at the tail of its segment."""
+        base, hits, protected, probation = self.base, self.hits, self._protected, self._probation
+        for b in block_ids:
+            if hits[b - base]:
+                protected[b] = None
+            else:
+                probation[b] = None
 
     def __delitem__(self, block_id: int) -> None:
         """``block_id`` left the cache (a hit took a reference)."""
