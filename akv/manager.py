@@ -431,7 +431,7 @@ class KVCacheManager:
                     route[seq_id] = shard
         await anyio.lowlevel.checkpoint_if_cancelled()
         order = [*request.appends, *(adm.seq_id for adm in request.admits)]
-        return self._result([o for _, o in outcomes], tickets, order)
+        return self._result([o for _, o in outcomes], tickets, order, want_metadata=request.want_metadata)
 
     def _track(self, ticket: Any) -> None:
         """Remember a copy ticket for :meth:`wait_copies` (inside the shielded part of a call)."""
@@ -439,7 +439,9 @@ class KVCacheManager:
             self._tickets = [t for t in self._tickets if not t.done()]
             self._tickets.append(ticket)
 
-    def _result(self, outcomes: list[StepOutcome], tickets: list, order: list | None = None) -> StepResult:
+    def _result(
+        self, outcomes: list[StepOutcome], tickets: list, order: list | None = None, *, want_metadata: bool = False
+    ) -> StepResult:
         copies = CopyCompletion(tickets) if tickets else NO_COPIES
         if len(outcomes) == 1:
             o = outcomes[0]
@@ -491,6 +493,11 @@ class KVCacheManager:
         elif order is not None:
             position = {seq_id: i for i, seq_id in enumerate(seq_ids)}
             seq_ids = [x for x in order if x in position]
+        if want_metadata and tables is None:  # no shard scheduled anything: empty, as one shard gives
+            tables = np.zeros((0, 0), dtype=np.int32)
+            context = np.zeros(0, dtype=np.int32)
+            qsl = np.zeros(1, dtype=np.int32)
+            slots = np.zeros(0, dtype=np.int64)
         return StepResult(
             seq_ids=tuple(seq_ids),
             block_tables=_tensor(tables),

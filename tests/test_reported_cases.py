@@ -332,3 +332,16 @@ async def test_commit_count_beyond_int64_is_invalid_input_not_a_crash(tiny_confi
         await kv.check()
         assert await kv.stats() == before
         assert (await kv.sequence("a")).num_computed == 0
+
+
+@pytest.mark.parametrize("num_shards", [1, 2])
+async def test_step_touching_no_shard_returns_empty_metadata(tiny_config, num_shards: int) -> None:
+    # Fresh-eyes review: with two shards an empty step returned None tensors, with one empty ones.
+    async with KVCacheManager(tiny_config(num_shards=num_shards)) as kv:
+        for kw in ({}, {"frees": ["unknown"]}):
+            r = await kv.step(**kw)
+            assert tuple(r.block_tables.shape) == (0, 0)
+            assert r.slot_mapping.numel() == 0 and r.context_lens.numel() == 0
+            assert r.query_start_loc.tolist() == [0]
+        r = await kv.step(want_metadata=False)
+        assert r.block_tables is None and r.slot_mapping is None
