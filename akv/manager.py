@@ -34,7 +34,7 @@ from akv.actors.pool_shard import PoolShardActor, SequenceInfo, ShardStats
 from akv.actors.runtime import Actor
 from akv.config import KVCacheConfig
 from akv.core.shard_state import ShardState
-from akv.core.step import Admit, StepOutcome, StepRequest
+from akv.core.step import Admit, StepOutcome, StepRequest, empty_metadata
 from akv.core.tokens import as_token_array
 from akv.errors import ActorCrashed, DuplicateSequence, InvalidInput, InvalidTokens, ManagerClosed, UnknownSequence
 from akv.obs.metrics import ManagerMetrics, MetricsSnapshot
@@ -494,10 +494,7 @@ class KVCacheManager:
             position = {seq_id: i for i, seq_id in enumerate(seq_ids)}
             seq_ids = [x for x in order if x in position]
         if want_metadata and tables is None:  # no shard scheduled anything: empty, as one shard gives
-            tables = np.zeros((0, 0), dtype=np.int32)
-            context = np.zeros(0, dtype=np.int32)
-            qsl = np.zeros(1, dtype=np.int32)
-            slots = np.zeros(0, dtype=np.int64)
+            tables, context, qsl, slots = empty_metadata()
         return StepResult(
             seq_ids=tuple(seq_ids),
             block_tables=_tensor(tables),

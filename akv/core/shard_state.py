@@ -31,7 +31,7 @@ from akv.core.block_pool import CACHED, BlockPool
 from akv.core.block_table import BlockTables
 from akv.core.radix_tree import RadixTree, block_keys
 from akv.core.sequence import Sequence
-from akv.core.step import StepOutcome, StepRequest
+from akv.core.step import StepOutcome, StepRequest, empty_metadata
 from akv.errors import DuplicateSequence, InvalidInput, PoolExhausted, RequestTooLarge, UnknownSequence
 
 TreeOps = list
@@ -685,10 +685,7 @@ class ShardState:
             rows, starts, lens = extra[:, 0], extra[:, 1], extra[:, 2]
         batch = len(rows)
         if not batch:
-            out.block_tables = np.zeros((0, 0), dtype=np.int32)
-            out.context_lens = np.zeros(0, dtype=np.int32)
-            out.query_start_loc = np.zeros(1, dtype=np.int32)
-            out.slot_mapping = np.zeros(0, dtype=np.int64)
+            out.block_tables, out.context_lens, out.query_start_loc, out.slot_mapping = empty_metadata()
             return
         tab = tables.gather(rows, int(tables.lens[rows].max()))
         qsl = np.zeros(batch + 1, dtype=np.int64)

@@ -107,3 +107,18 @@ class StepOutcome:
     copy_seq_ids: list = field(default_factory=list)
     freed: list = field(default_factory=list)
     evicted_blocks: int = 0
+
+
+def empty_metadata() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Metadata of a step that scheduled nothing.
+
+    Returns:
+        ``(block_tables, context_lens, query_start_loc, slot_mapping)``: int32
+        ``(0, 0)``, int32 ``(0,)``, int32 ``[0]`` and int64 ``(0,)``.
+    """
+    return (
+        np.zeros((0, 0), dtype=np.int32),
+        np.zeros(0, dtype=np.int32),
+        np.zeros(1, dtype=np.int32),
+        np.zeros(0, dtype=np.int64),
+    )
