@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from akv.core.block_pool import ACTIVE, CACHED, FREE, IN_FLIGHT, BlockPool
 
@@ -119,6 +121,66 @@ def test_double_decref_raises_and_leaves_pool_consistent(pool: BlockPool) -> Non
     assert pool.counts() == counts(free=8)
     assert pool.total_refs == 0
     pool.check()
+
+
+def test_batched_decref_of_sequences_sharing_blocks(pool: BlockPool) -> None:
+    # Two sequences share the published prefix 10, 11; each owns one more block.
+    shared = pool.allocate(2)
+    own_a, own_b = pool.allocate(1), pool.allocate(1)
+    pool.incref(shared)
+    pool.mark_published(shared + own_a + own_b)
+    # One call, each sequence deepest first: a shared block is released at its last occurrence.
+    pool.decref([own_a[0], *reversed(shared), own_b[0], *reversed(shared)], distinct=False)
+    assert pool.lru_order() == [12, 13, 11, 10]
+    assert pool.counts() == counts(free=4, cached=4)
+    assert pool.total_refs == 0
+    pool.check()
+
+
+def test_batched_double_decref_applies_nothing(pool: BlockPool) -> None:
+    a = pool.allocate(2)
+    with pytest.raises(ValueError, match=r"decref of block 11 with refcount 0 \(double free\)"):
+        pool.decref([11, 10, 11])
+    assert [pool.refcount(b) for b in a] == [1, 1]
+    assert pool.counts() == counts(free=6, active=2)
+    assert pool.total_refs == 2
+    pool.check()
+
+
+def test_rejected_incref_applies_nothing(pool: BlockPool) -> None:
+    (a,) = pool.allocate(1)
+    with pytest.raises(ValueError, match="incref of block 12 in state free"):
+        pool.incref([a, 12])
+    assert pool.refcount(a) == 1
+    assert pool.total_refs == 1
+    pool.check()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_batched_decref_equals_one_call_per_sequence(data: st.DataObject) -> None:
+    """One decref over several sequences' blocks leaves exactly the state of one call per sequence."""
+    policy = data.draw(st.sampled_from(["lru", "slru", "lfu"]))
+    pools = [BlockPool(range(BASE, BASE + N), policy=policy) for _ in range(2)]
+    ids = pools[0].allocate(N)
+    pools[1].allocate(N)
+    published = data.draw(st.lists(st.sampled_from(ids), unique=True))
+    seqs = data.draw(st.lists(st.lists(st.sampled_from(ids), min_size=1, unique=True), min_size=1, max_size=5))
+    for p in pools:
+        p.mark_published(published)
+        for seq in seqs:  # each sequence holds one reference to each of its blocks
+            p.incref(seq)
+        p.decref(ids)  # drop the allocation's references
+    pools[0].decref([b for seq in seqs for b in reversed(seq)])
+    for seq in seqs:
+        pools[1].decref(list(reversed(seq)))
+    a, b = pools
+    assert [a.refcount(x) for x in ids] == [b.refcount(x) for x in ids]
+    assert [a.state(x) for x in ids] == [b.state(x) for x in ids]
+    assert a.eviction_order() == b.eviction_order()
+    assert a.allocate(a.num_free) == b.allocate(b.num_free)
+    a.check()
+    b.check()
 
 
 def test_incref_of_free_block_raises(pool: BlockPool) -> None:

@@ -9,8 +9,13 @@ Pure and synchronous. Every block id in ``block_ids`` is in exactly one state:
 - ``IN_FLIGHT``: refcount 0 but still the source of a pending copy (or being
   evicted right now); neither allocatable nor evictable.
 
+States, refcounts and published flags are numpy arrays indexed by block
+offset, so a batch of blocks (an admission's prefix hits, a step's freed
+sequences) is updated with a few vectorized operations; Python-level work
+per block is left only where a block enters or leaves the eviction order.
+
 Complexities: allocate ``O(n)`` for ``n`` blocks, free/incref/decref ``O(1)``
-per block, and taking a cached block out of the LRU order on a hit ``O(1)``:
+per block (vectorized), and taking a cached block out of the LRU order on a hit ``O(1)``:
 the order is an ``OrderedDict`` (a hash map threaded by a doubly linked list,
 in C), which gives what vLLM v1's ``FreeKVCacheBlockQueue`` gets from its
 intrusive list (``vllm/v1/core/kv_cache_utils.py``) at a fraction of the
@@ -32,6 +37,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Container, Iterable
+
+import numpy as np
 
 from akv.core.eviction_policy import EvictionPolicy, KeyedOrder, SegmentedOrder, eviction_policy, lru_key, slru_key
 
@@ -87,9 +94,9 @@ class BlockPool:
         self.first_block_id = block_ids.start
         self.num_blocks = len(block_ids)
         n = self.num_blocks
-        self._state = [FREE] * n
-        self._refcount = [0] * n
-        self._published = [False] * n
+        self._state = np.zeros(n, dtype=np.int8)  # FREE
+        self._refcount = np.zeros(n, dtype=np.int32)
+        self._published = np.zeros(n, dtype=bool)
         self._copy_pins: dict[int, int] = {}
         self._free = list(reversed(block_ids))  # pop() yields the lowest id first
         # Cached block ids in eviction order: an OrderedDict (oldest first) for
@@ -139,15 +146,20 @@ class BlockPool:
 
     def state(self, block_id: int) -> int:
         """State constant of ``block_id`` (``FREE``, ``ACTIVE``, ``CACHED``, ``IN_FLIGHT``)."""
-        return self._state[block_id - self.first_block_id]
+        return int(self._state[block_id - self.first_block_id])
 
     def refcount(self, block_id: int) -> int:
         """Number of block-table references to ``block_id``."""
-        return self._refcount[block_id - self.first_block_id]
+        return int(self._refcount[block_id - self.first_block_id])
 
     def is_published(self, block_id: int) -> bool:
         """Whether ``block_id`` is in the prefix cache."""
-        return self._published[block_id - self.first_block_id]
+        return bool(self._published[block_id - self.first_block_id])
+
+    @property
+    def num_published(self) -> int:
+        """Blocks in the prefix cache (any state but free)."""
+        return int(np.count_nonzero(self._published))
 
     def eviction_order(self) -> list[int]:
         """Cached block ids in the order eviction would take them.
@@ -168,6 +180,9 @@ class BlockPool:
     def allocate(self, num_blocks: int) -> list[int]:
         """Take ``num_blocks`` blocks off the free queue, each with refcount 1.
 
+        Returns:
+            The block ids (Python ints), lowest first on a fresh pool.
+
         Raises:
             ValueError: Fewer than ``num_blocks`` free blocks (the caller checks
                 :attr:`num_free` first; this is a broken invariant, not a shortage).
@@ -181,101 +196,164 @@ class BlockPool:
         ids.reverse()
         if self._keyed is not None:
             self._keyed.reset(ids)
-        base, state, ref = self.first_block_id, self._state, self._refcount
-        for b in ids:
-            i = b - base
-            state[i] = ACTIVE
-            ref[i] = 1
+        base = self.first_block_id
+        if num_blocks <= _SCALAR_MAX:
+            state, ref = self._state, self._refcount
+            for b in ids:
+                state[b - base] = ACTIVE
+                ref[b - base] = 1
+        else:
+            idx = np.array(ids, dtype=np.intp)
+            idx -= base
+            self._state[idx] = ACTIVE
+            self._refcount[idx] = 1
         self._counts[FREE] -= num_blocks
         self._counts[ACTIVE] += num_blocks
         self.total_refs += num_blocks
         return ids
 
-    def incref(self, block_ids: Iterable[int], *, hit: bool = False) -> None:
+    def incref(self, block_ids: Iterable[int], *, hit: bool = False, distinct: bool | None = None) -> None:
         """Add one reference to each block; a cached block leaves the eviction order.
 
         Args:
-            block_ids: The blocks, any state but free (see Raises).
+            block_ids: The blocks (Python ints or an int array), any state but
+                free (see Raises); duplicates add one reference each.
             hit: These are prefix-cache hits of an admission (not a fork):
                 count an access for policies that use hit counts.
+            distinct: Whether ``block_ids`` holds no block twice (one
+                sequence's blocks do); ``None`` checks (a sort). A wrong
+                ``True`` loses references.
 
         Raises:
             ValueError: A block is free, being evicted, or an unpublished copy
-                source (it cannot be referenced). Blocks before it in
-                ``block_ids`` keep their new reference.
+                source (it cannot be referenced). Nothing is applied then.
         """
+        ids = block_ids if isinstance(block_ids, np.ndarray) else np.fromiter(block_ids, dtype=np.intp)
+        if not len(ids):
+            return
+        idx = ids.astype(np.intp) - self.first_block_id
+        state = self._state
+        s = state[idx]
+        active = s == ACTIVE
+        if not active.all():
+            self._incref_leaving(idx, s, active)
         if hit and self._keyed is not None:
-            block_ids = list(block_ids)
-            self._keyed.record_hits(block_ids)
-        base, state, ref = self.first_block_id, self._state, self._refcount
-        for b in block_ids:
-            i = b - base
-            s = state[i]
-            if s == CACHED:
-                del self._lru[b]
-                state[i] = ACTIVE
-                self._counts[CACHED] -= 1
-                self._counts[ACTIVE] += 1
-            elif s == IN_FLIGHT and ref[i] == 0 and b in self._copy_pins and self._published[i]:
+            self._keyed.record_hits(ids.tolist())
+        if len(idx) > 1 and not (_distinct(idx) if distinct is None else distinct):
+            np.add.at(self._refcount, idx, 1)
+        else:
+            self._refcount[idx] += 1
+        self.total_refs += len(idx)
+
+    def _incref_leaving(self, idx: np.ndarray, s: np.ndarray, active: np.ndarray) -> None:
+        """Validate the non-active blocks of an incref, then take them out of the cache (or their pin state)."""
+        base, ref = self.first_block_id, self._refcount
+        leaving = np.unique(idx[~active])
+        for i in leaving.tolist():
+            st = self._state[i]
+            b = i + base
+            if st == CACHED:
+                continue
+            if not (st == IN_FLIGHT and ref[i] == 0 and b in self._copy_pins and self._published[i]):
+                raise ValueError(f"incref of block {b} in state {STATE_NAMES[st]}")
+        lru, counts = self._lru, self._counts
+        for i in leaving.tolist():
+            if self._state[i] == CACHED:
+                del lru[i + base]
+                counts[CACHED] -= 1
+            else:
                 # A published block still read by a pending copy: its content is
                 # valid, so a prefix hit may take it; the pin only delays its release.
-                state[i] = ACTIVE
-                self._counts[IN_FLIGHT] -= 1
-                self._counts[ACTIVE] += 1
-            elif s != ACTIVE:
-                raise ValueError(f"incref of block {b} in state {STATE_NAMES[s]}")
-            ref[i] += 1
-            self.total_refs += 1
+                counts[IN_FLIGHT] -= 1
+            counts[ACTIVE] += 1
+        self._state[leaving] = ACTIVE
 
-    def decref(self, block_ids: Iterable[int]) -> None:
+    def decref(self, block_ids: Iterable[int], *, distinct: bool | None = None) -> None:
         """Drop one reference from each block, in the given order.
 
         A block reaching refcount 0 becomes ``IN_FLIGHT`` if a pending copy
         still reads it, else ``CACHED`` (entering the eviction order) if published,
-        else ``FREE``. Pass a sequence's blocks deepest first so its deepest
-        block is evicted first.
+        else ``FREE``. Blocks reaching 0 are handled in the order of their last
+        occurrence in ``block_ids``: pass a sequence's blocks deepest first so
+        its deepest block is evicted first, and several sequences one after
+        another (a step's frees, as one call).
+
+        Args:
+            block_ids: Python ints or an int array; duplicates drop one
+                reference each.
+            distinct: Whether ``block_ids`` holds no block twice (one
+                sequence's blocks do; several sequences' may share some);
+                ``None`` checks (a sort); ``False`` takes the general path
+                (always correct). A wrong ``True`` loses references.
 
         Raises:
-            ValueError: A block's refcount is already 0 (a double free).
+            ValueError: A block would drop below refcount 0 (a double free).
+                Nothing is applied then.
         """
-        base, ref, state, published = self.first_block_id, self._refcount, self._state, self._published
-        pins, free, counts = self._copy_pins, self._free, self._counts
-        cached: list[int] = []
-        keyed = self._keyed is not None
-        lru = self._lru
-        for b in block_ids:
-            i = b - base
-            r = ref[i] - 1
-            if r < 0:
-                raise ValueError(f"decref of block {b} with refcount 0 (double free)")
-            ref[i] = r
-            self.total_refs -= 1
-            if r:
-                continue
-            counts[ACTIVE] -= 1
-            if pins and b in pins:
-                state[i] = IN_FLIGHT
-                counts[IN_FLIGHT] += 1
-            elif published[i]:
-                state[i] = CACHED
-                counts[CACHED] += 1
-                if keyed:
-                    cached.append(b)
-                else:
-                    lru[b] = None
+        ids = block_ids if isinstance(block_ids, np.ndarray) else np.fromiter(block_ids, dtype=np.intp)
+        n = len(ids)
+        if not n:
+            return
+        ref = self._refcount
+        idx = ids.astype(np.intp) - self.first_block_id
+        if n == 1 or (_distinct(idx) if distinct is None else distinct):
+            left = ref[idx] - 1
+            if left.min() < 0:
+                bad = int(idx[np.argmin(left)])
+                raise ValueError(f"decref of block {bad + self.first_block_id} with refcount 0 (double free)")
+            ref[idx] = left
+            zero = idx[left == 0]
+        else:
+            # Several sequences share blocks: count each block's drops, and order
+            # the blocks that reach 0 by their last occurrence.
+            order = np.argsort(idx, kind="stable")
+            sorted_idx = idx[order]
+            first = np.empty(n, dtype=bool)
+            first[0] = True
+            np.not_equal(sorted_idx[1:], sorted_idx[:-1], out=first[1:])
+            starts = np.flatnonzero(first)
+            ends = np.append(starts[1:], n)
+            uniq = sorted_idx[starts]
+            left = ref[uniq] - (ends - starts)
+            if left.min() < 0:
+                bad = int(uniq[np.argmin(left)])
+                raise ValueError(f"decref of block {bad + self.first_block_id} with refcount 0 (double free)")
+            ref[uniq] = left
+            reached = left == 0
+            zero = uniq[reached][np.argsort(order[ends[reached] - 1])]
+        self.total_refs -= n
+        if len(zero):
+            self._release_many(zero)
+
+    def _release_many(self, zero: np.ndarray) -> None:
+        """Blocks at offsets ``zero`` (in release order) lost their last reference."""
+        counts, base = self._counts, self.first_block_id
+        counts[ACTIVE] -= len(zero)
+        if self._copy_pins:
+            for i in zero.tolist():
+                self._release(i)
+            return
+        published = self._published[zero]
+        cached = zero[published]
+        freed = zero[~published]
+        if len(cached):
+            self._state[cached] = CACHED
+            counts[CACHED] += len(cached)
+            cached_ids = (cached + base).tolist()
+            if self._keyed is not None:  # a keyed order takes them in one call, in release order
+                self._keyed.extend(cached_ids)
             else:
-                state[i] = FREE
-                counts[FREE] += 1
-                free.append(b)
-                self.blocks_freed += 1
-        if cached:  # a keyed order takes them in one call, in release order
-            self._keyed.extend(cached)
+                self._lru.update(dict.fromkeys(cached_ids))
+        if len(freed):
+            self._state[freed] = FREE
+            counts[FREE] += len(freed)
+            self._free.extend((freed + base).tolist())
+            self.blocks_freed += len(freed)
 
     def mark_published(self, block_ids: Iterable[int]) -> None:
         """Record that these (referenced) blocks are now in the prefix cache."""
-        base, pub = self.first_block_id, self._published
-        for b in block_ids:
-            pub[b - base] = True
+        ids = block_ids if isinstance(block_ids, np.ndarray) else np.fromiter(block_ids, dtype=np.intp)
+        self._published[ids.astype(np.intp) - self.first_block_id] = True
 
     def pin_for_copy(self, block_ids: Iterable[int]) -> None:
         """Keep blocks alive as sources of a pending copy (they must be referenced now)."""
@@ -306,17 +384,12 @@ class BlockPool:
         at the head). O(taken + skipped) for LRU, O((taken + skipped) log
         cached) amortized for the other policies.
         """
-        base, state, lru = self.first_block_id, self._state, self._lru
+        lru = self._lru
         if self._keyed is not None:
             out = self._keyed.pop_first(max_blocks, skip)
-            for b in out:
-                state[b - base] = IN_FLIGHT
         elif not skip:
-            out = []
-            for _ in range(min(max_blocks, len(lru))):
-                b = lru.popitem(last=False)[0]
-                state[b - base] = IN_FLIGHT
-                out.append(b)
+            popitem = lru.popitem
+            out = [popitem(last=False)[0] for _ in range(min(max_blocks, len(lru)))]
         else:
             out = []
             for b in lru:
@@ -326,23 +399,30 @@ class BlockPool:
                     out.append(b)
             for b in out:
                 del lru[b]
-                state[b - base] = IN_FLIGHT
+        if out:
+            self._state[np.array(out, dtype=np.intp) - self.first_block_id] = IN_FLIGHT
         self._counts[CACHED] -= len(out)
         self._counts[IN_FLIGHT] += len(out)
         return out
 
     def evict_finish(self, block_ids: Iterable[int]) -> None:
-        """Blocks taken by :meth:`evict_begin` left the prefix cache: free them."""
-        base = self.first_block_id
-        k = 0
-        for b in block_ids:
-            i = b - base
-            if self._state[i] != IN_FLIGHT:
-                raise ValueError(f"evict_finish of block {b} in state {STATE_NAMES[self._state[i]]}")
-            self._published[i] = False
-            self._state[i] = FREE
-            self._free.append(b)
-            k += 1
+        """Blocks taken by :meth:`evict_begin` left the prefix cache: free them.
+
+        Raises:
+            ValueError: A block is not being evicted (nothing is applied then).
+        """
+        ids = list(block_ids)
+        if not ids:
+            return
+        idx = np.array(ids, dtype=np.intp) - self.first_block_id
+        s = self._state[idx]
+        if (s != IN_FLIGHT).any():
+            b = ids[int(np.argmax(s != IN_FLIGHT))]
+            raise ValueError(f"evict_finish of block {b} in state {STATE_NAMES[self.state(b)]}")
+        self._published[idx] = False
+        self._state[idx] = FREE
+        self._free.extend(ids)
+        k = len(ids)
         self._counts[IN_FLIGHT] -= k
         self._counts[FREE] += k
         self.blocks_freed += k
@@ -360,17 +440,17 @@ class BlockPool:
                 cache. Without it, LRU puts them at the head and the other
                 policies back in their old place (their keys are unchanged).
         """
-        base, lru = self.first_block_id, self._lru
+        if not block_ids:
+            return
+        lru = self._lru
+        self._state[np.array(block_ids, dtype=np.intp) - self.first_block_id] = CACHED
         if self._keyed is not None:
-            for b in block_ids:
-                self._state[b - base] = CACHED
             if to_mru:
                 self._keyed.defer(block_ids)
             else:
                 self._keyed.restore(block_ids)
         else:
             for b in block_ids if to_mru else reversed(block_ids):
-                self._state[b - base] = CACHED
                 lru[b] = None
                 if not to_mru:
                     lru.move_to_end(b, last=False)
@@ -380,17 +460,18 @@ class BlockPool:
     # ---------------------------------------------------------------- internals
     def _release(self, i: int) -> None:
         """Move unreferenced offset ``i`` to in-flight, cached or free."""
-        if (i + self.first_block_id) in self._copy_pins:
+        b = i + self.first_block_id
+        if b in self._copy_pins:
             self._state[i] = IN_FLIGHT
             self._counts[IN_FLIGHT] += 1
         elif self._published[i]:
             self._state[i] = CACHED
             self._counts[CACHED] += 1
-            self._lru[i + self.first_block_id] = None
+            self._lru[b] = None
         else:
             self._state[i] = FREE
             self._counts[FREE] += 1
-            self._free.append(i + self.first_block_id)
+            self._free.append(b)
             self.blocks_freed += 1
 
     def check(self) -> None:
@@ -399,25 +480,39 @@ class BlockPool:
         Raises:
             AssertionError: Naming the first inconsistent block.
         """
-        counts = [0, 0, 0, 0]
-        for i, s in enumerate(self._state):
-            counts[s] += 1
-            b = i + self.first_block_id
-            r = self._refcount[i]
-            if (s == ACTIVE) != (r > 0):
-                raise AssertionError(f"block {b}: state {STATE_NAMES[s]} with refcount {r}")
-            if s == CACHED and not self._published[i]:
-                raise AssertionError(f"block {b}: cached but not published")
-            if s == FREE and self._published[i]:
-                raise AssertionError(f"block {b}: free but still published")
-        if sum(self._refcount) != self.total_refs:
-            raise AssertionError(f"refcount sum {sum(self._refcount)} != total_refs {self.total_refs}")
+        base, state, ref, pub = self.first_block_id, self._state, self._refcount, self._published
+        bad = np.flatnonzero((state == ACTIVE) != (ref > 0))
+        if len(bad):
+            i = int(bad[0])
+            raise AssertionError(f"block {i + base}: state {STATE_NAMES[state[i]]} with refcount {ref[i]}")
+        bad = np.flatnonzero((state == CACHED) & ~pub)
+        if len(bad):
+            raise AssertionError(f"block {int(bad[0]) + base}: cached but not published")
+        bad = np.flatnonzero((state == FREE) & pub)
+        if len(bad):
+            raise AssertionError(f"block {int(bad[0]) + base}: free but still published")
+        if int(ref.sum()) != self.total_refs:
+            raise AssertionError(f"refcount sum {int(ref.sum())} != total_refs {self.total_refs}")
+        counts = np.bincount(state, minlength=4).tolist()
         if counts != self._counts:
             raise AssertionError(f"state counters {self._counts} != recount {counts}")
-        if sorted(self._free) != sorted(i + self.first_block_id for i, s in enumerate(self._state) if s == FREE):
+        if sorted(self._free) != (np.flatnonzero(state == FREE) + base).tolist():
             raise AssertionError("free queue does not hold exactly the free blocks")
-        cached = [i + self.first_block_id for i, s in enumerate(self._state) if s == CACHED]
+        cached = (np.flatnonzero(state == CACHED) + base).tolist()
         if self._keyed is not None:
             self._keyed.check(cached)
-        elif len(self._lru) != len(cached) or any(self._state[b - self.first_block_id] != CACHED for b in self._lru):
+        elif len(self._lru) != len(cached) or any(state[b - base] != CACHED for b in self._lru):
             raise AssertionError(f"eviction order {list(self._lru)} does not hold exactly the cached blocks {cached}")
+
+
+#: Up to this many blocks, :meth:`BlockPool.allocate` writes states one by one
+#: (numpy's per-call overhead exceeds the per-element cost below it).
+_SCALAR_MAX = 4
+
+
+def _distinct(idx: np.ndarray) -> bool:
+    """Whether the int array ``idx`` holds no value twice (O(n log n))."""
+    if len(idx) < 2:
+        return True
+    s = np.sort(idx)
+    return not (s[1:] == s[:-1]).any()

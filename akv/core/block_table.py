@@ -58,15 +58,27 @@ class BlockTables:
                 self._resize(2 * self.array.shape[0], self.array.shape[1])
         return BlockTableRow(self, row)
 
-    def release(self, row: BlockTableRow) -> None:
-        """Zero ``row`` and its counters and recycle it."""
-        r = row.row
-        self.array[r, : self.lens[r]] = 0
+    def release_many(self, rows: list[int]) -> np.ndarray:
+        """Zero and recycle ``rows`` (distinct); return the block ids they held.
+
+        Returns:
+            int32 ``(sum of the rows' lengths,)``: each row's block ids deepest
+            (last) first, row after row in the given order: the order in which
+            :meth:`~akv.core.block_pool.BlockPool.decref` should release them.
+        """
+        r = np.array(rows, dtype=np.intp)
+        lens = self.lens[r]
+        width = int(lens.max()) if len(r) else 0
+        block = self.array[r, :width][:, ::-1]
+        held = np.arange(width)[::-1] < lens[:, None]
+        ids = block[held]
+        self.array[r, :width] = 0
         self.lens[r] = 0
         self.num_tokens[r] = 0
         self.num_computed[r] = 0
         self.shared_tail[r] = False
-        self._free_rows.append(r)
+        self._free_rows.extend(rows)
+        return ids
 
     def gather(self, rows: np.ndarray, width: int) -> np.ndarray:
         """Padded block tables of ``rows``: int32 ``(len(rows), width)``, a new array."""

@@ -215,13 +215,8 @@ class ShardState:
         bs, seqs, pool, tables = self.block_size, self.sequences, self.pool, self.tables
         out = StepOutcome()
 
-        for seq_id in req.frees:
-            seq = seqs.pop(seq_id, None)
-            if seq is not None:
-                self._release(seq)
-                out.freed.append(seq_id)
-                if seq_id in req.preempted:
-                    self.counters.preemptions += 1
+        if req.frees:
+            self._free(req, out)
 
         ops: TreeOps = []
         publishing: list = []
@@ -232,8 +227,8 @@ class ShardState:
             parent = seqs[parent_id]
             for child_id in child_ids:
                 child = parent.fork(child_id, tables.new_row())
-                ids = child.block_ids.tolist()
-                pool.incref(ids)
+                ids = child.block_ids.view()
+                pool.incref(ids, distinct=True)
                 self.table_refs += len(ids)
                 seqs[child_id] = child
                 self.rows[child_id] = child.row
@@ -324,7 +319,7 @@ class ShardState:
             row = seq.row
             if self.enable_prefix_cache:
                 seq.prompt_keys = bs_keys[i]
-            pool.incref(hits, hit=True)
+            pool.incref(hits, hit=True, distinct=True)
             seq.block_ids.extend(hits)
             seq.block_ids.extend(pool.allocate(need))
             self.table_refs += len(hits) + need
@@ -572,14 +567,28 @@ class ShardState:
         slots = self.tables.array[row, pos // bs].astype(np.int64) * bs + pos % bs
         self._flat_tokens[slots - self._first_slot] = tokens
 
-    def _release(self, seq: Sequence) -> None:
-        ids = seq.block_ids.tolist()
-        ids.reverse()  # deepest first: on ties the deepest block is evicted first
-        self.pool.decref(ids)
-        self.tables.release(seq.block_ids)
-        del self.rows[seq.seq_id]
+    def _free(self, req: StepRequest, out: StepOutcome) -> None:
+        """Free the step's live sequences (unknown ids are ignored): one decref for all their blocks.
+
+        Each sequence releases its blocks deepest first, so on ties the deepest
+        block is evicted first; sequences release in request order.
+        """
+        seqs, rows = self.sequences, self.rows
+        freed_rows = []
+        for seq_id in req.frees:
+            seq = seqs.pop(seq_id, None)
+            if seq is None:
+                continue
+            freed_rows.append(rows.pop(seq_id))
+            out.freed.append(seq_id)
+            if seq_id in req.preempted:
+                self.counters.preemptions += 1
+        if not freed_rows:
+            return
+        ids = self.tables.release_many(freed_rows)
+        self.pool.decref(ids, distinct=len(freed_rows) == 1)
         self.table_refs -= len(ids)
-        self.counters.sequences_freed += 1
+        self.counters.sequences_freed += len(freed_rows)
 
     def _queue_publish(self, seq: Sequence, ops: TreeOps, publishing: list) -> None:
         if not self.enable_prefix_cache or seq.publish_stopped:
@@ -749,6 +758,6 @@ class ShardState:
             for b in mine:
                 if not self.pool.is_published(b):
                     raise AssertionError(f"block {b}: in the prefix cache but not marked published")
-            published = sum(1 for i in range(self.pool.num_blocks) if self.pool._published[i])
+            published = self.pool.num_published
             if published != len(mine):
                 raise AssertionError(f"{published} blocks marked published but {len(mine)} in the prefix cache")
