@@ -5,6 +5,9 @@ Three measurements, all on this machine, one process:
 (a) **ask round trip**: ``await actor.ask(msg)`` to an :class:`akv.actors.runtime.Actor`
     whose handler returns the message (echo), on asyncio, on uvloop (anyio
     backend option ``use_uvloop``) and on trio (when installed). p50/p99 in µs.
+    Twice: as the manager asks (an idle actor serves on the asking task, the
+    direct hand-off) and through the inbox and the actor's task
+    (``Actor(direct=False)``, the queued path).
 (b) **decode step through the manager**: ``KVCacheManager.step(commits=..., appends=...,
     want_metadata=True)`` in metadata mode (``storage="none"``) with ``B`` running
     sequences, each committing its previous token and appending one ``int`` token per
@@ -102,12 +105,12 @@ def available_backends() -> list[str]:
 class EchoActor(Actor):
     """Replies with the message itself."""
 
-    async def handle(self, msg: Any) -> Any:
+    def handle(self, msg: Any) -> Any:
         return msg
 
 
-async def _ask_loop(n: int, warmup: int) -> list[int]:
-    actor = EchoActor("echo", inbox_capacity=16)
+async def _ask_loop(n: int, warmup: int, direct: bool = True) -> list[int]:
+    actor = EchoActor("echo", inbox_capacity=16, direct=direct)
     pc = time.perf_counter_ns
     times: list[int] = []
     async with anyio.create_task_group() as tg:
@@ -123,12 +126,13 @@ async def _ask_loop(n: int, warmup: int) -> list[int]:
     return times
 
 
-def ask_round_trip(backend: str, n: int = 20000, warmup: int = 1000) -> dict[str, Any]:
-    """p50/p99/mean µs of an echo ask on ``backend``."""
+def ask_round_trip(backend: str, n: int = 20000, warmup: int = 1000, direct: bool = True) -> dict[str, Any]:
+    """p50/p99/mean µs of an echo ask on ``backend`` (``direct``: the hand-off to an idle actor, else queued)."""
     gc.collect()
-    times = run_on(backend, _ask_loop, n, warmup)
+    times = run_on(backend, _ask_loop, n, warmup, direct)
     return {
         "backend": backend,
+        "path": "direct" if direct else "queued",
         "asks": n,
         "p50_us": pct(times, 0.5) / 1e3,
         "p99_us": pct(times, 0.99) / 1e3,
@@ -294,10 +298,10 @@ def _timed_handler(handle: Any, acc: list[int]) -> Any:
     """Wrap an actor's bound ``handle`` so that the time spent in it adds to ``acc[0]``."""
     pc = time.perf_counter_ns
 
-    async def timed(msg: Any) -> Any:
+    def timed(msg: Any) -> Any:
         t = pc()
         try:
-            return await handle(msg)
+            return handle(msg)
         finally:
             acc[0] += pc() - t
 
@@ -442,10 +446,15 @@ def run(args: argparse.Namespace) -> dict:
     """All measurements; returns the JSON document."""
     load0 = list(os.getloadavg())
     backends = [b for b in args.backends if b in available_backends()]
-    asks = []
+    asks, queued = [], []
     for b in backends:
         asks.append(ask_round_trip(b, args.asks))
-        print(f"ask {b}: p50 {asks[-1]['p50_us']:.1f} µs, p99 {asks[-1]['p99_us']:.1f} µs", flush=True)
+        queued.append(ask_round_trip(b, args.asks, direct=False))
+        print(
+            f"ask {b}: p50 {asks[-1]['p50_us']:.1f} µs, p99 {asks[-1]['p99_us']:.1f} µs "
+            f"(queued: p50 {queued[-1]['p50_us']:.1f} µs, p99 {queued[-1]['p99_us']:.1f} µs)",
+            flush=True,
+        )
     ask_p50 = next((a["p50_us"] for a in asks if a["backend"] == args.step_backend), None)
     rows = []
     for batch in args.batches:
@@ -467,15 +476,17 @@ def run(args: argparse.Namespace) -> dict:
         "loadavg_after": list(os.getloadavg()),
         "step_backend": args.step_backend,
         "ask_round_trip": asks,
+        "ask_round_trip_queued": queued,
         "decode_steps": rows,
     }
 
 
 def table(doc: dict) -> str:
     """Markdown tables of a result document."""
-    lines = ["| backend | ask p50 µs | ask p99 µs | mean µs |", "|---|---|---|---|"]
-    for a in doc["ask_round_trip"]:
-        lines.append(f"| {a['backend']} | {a['p50_us']:.1f} | {a['p99_us']:.1f} | {a['mean_us']:.1f} |")
+    lines = ["| backend | path | ask p50 µs | ask p99 µs | mean µs |", "|---|---|---|---|---|"]
+    for a in [*doc["ask_round_trip"], *doc.get("ask_round_trip_queued", [])]:
+        path = a.get("path", "queued")  # documents from before the direct hand-off: every ask was queued
+        lines.append(f"| {a['backend']} | {path} | {a['p50_us']:.1f} | {a['p99_us']:.1f} | {a['mean_us']:.1f} |")
     lines += [
         "",
         "| B | steps | manager p50 µs | manager p99 µs | manager µs/seq·tok | actor-free p50 µs | actor-free p99 µs "

@@ -102,7 +102,12 @@ class EvictionLoop:
                 try:
                     evicted = await shard.ask(Evict(want))
                 except AkvError:
-                    return  # the shard is stopping; the manager reports why
+                    # The shard is stopping (e.g. closed during the ask's checkpoint); the manager reports why.
+                    if span.is_recording():
+                        span.set_attributes(
+                            {"akv.shard": shard.state.shard_index, "akv.blocks_requested": want, "akv.blocks": 0}
+                        )
+                    return
                 elapsed = time.perf_counter() - t0
                 if span.is_recording():
                     span.set_attributes(

@@ -121,8 +121,12 @@ class PoolShardActor(Actor):
         #: Free plus evictable (cached) blocks after the last message.
         self.blocks_available = state.pool.num_blocks
 
-    async def handle(self, msg: Any) -> Any:
-        """Serve :class:`Step`, :class:`Validate`, :class:`Evict`, :class:`Lookup`, :class:`Inspect`, :class:`Stats` or :class:`Check`."""
+    def handle(self, msg: Any) -> Any:
+        """Serve :class:`Step`, :class:`Validate`, :class:`Evict`, :class:`Lookup`, :class:`Inspect`, :class:`Stats` or :class:`Check`.
+
+        Synchronous (it never awaits), so the runtime may run it on an asking
+        task when the shard is idle (see :mod:`akv.actors.runtime`).
+        """
         self._settle_copies()
         if isinstance(msg, Step):
             with self.tracer.span("akv.shard_step", context=msg.context) as span:

@@ -1,8 +1,10 @@
 """A small actor runtime on anyio: bounded inbox, ask, one message at a time.
 
-Each actor owns its state exclusively and serves messages from a bounded
-inbox, one at a time, so its state needs no lock. ``ask`` sends
-a message and waits for the reply; the reply never hangs:
+Each actor owns its state exclusively and serves messages one at a time, so
+its state needs no lock. Handlers are synchronous (:meth:`Actor.handle` is a
+plain ``def``): a message is served from start to end without any other task
+running in between. ``ask`` sends a message and returns the reply; the reply
+never hangs:
 
 - a handler that raises an :class:`~akv.errors.AkvError` fails only that ask
   (the handler validated before changing anything, so the actor goes on);
@@ -11,6 +13,14 @@ a message and waits for the reply; the reply never hangs:
   ``on_crash`` callback (the manager) stops every other actor the same way;
 - an actor stopped while messages wait fails them with the stop error
   (:class:`~akv.errors.ManagerClosed` on an orderly close).
+
+Direct hand-off: an ask to an *idle* actor (its task is running, it is not
+closed and its inbox is empty) is served right on the asking task, after one
+checkpoint, instead of being queued for the actor's task: no task switch, no
+event, no reply slot. Order and exclusivity still hold because handlers never
+await: whenever another task runs, the actor is not inside a handler, and an
+empty inbox means no earlier message is waiting. Otherwise the message goes
+through the bounded inbox and the actor's task serves it (FIFO).
 
 Ask graphs must stay acyclic (two actors asking each other deadlock); the
 graph akv uses is drawn in docs/architecture.md.
@@ -21,11 +31,13 @@ portable across anyio's backends (asyncio, uvloop, trio).
 
 from __future__ import annotations
 
+import inspect
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import structlog
 
 from akv.errors import ActorCrashed, AkvError, ManagerClosed
@@ -67,25 +79,41 @@ class Reply:
 
 
 class Actor:
-    """Base class: subclasses implement :meth:`handle`.
+    """Base class: subclasses implement :meth:`handle` (synchronous).
 
     The inbox is a ``collections.deque`` bounded by ``inbox_capacity`` with
-    two ``anyio.Event`` wake-ups (not empty, not full): an ask round trip costs
-    one event set and one wait each way, half of what an anyio memory object
-    stream costs (measured 31 vs 63 us on this 2-core machine under load).
+    two ``anyio.Event`` wake-ups (not empty, not full): a queued ask round trip
+    costs one event set and one wait each way, half of what an anyio memory
+    object stream costs (measured 31 vs 63 us on this 2-core machine under
+    load). An ask to an idle actor skips the inbox (see :meth:`ask`).
 
     Args:
         name: Name used in logs, metrics and errors.
         inbox_capacity: Bound of the inbox (messages); senders wait when full.
         logger: structlog logger to bind ``actor=name`` on.
+        direct: Serve an ask on the asking task when the actor is idle
+            (see :attr:`can_serve_now`); ``False`` sends every ask through the inbox.
+
+    Attributes:
+        direct: As the argument; may be changed at any time.
+        max_inbox_depth: Highest number of messages seen waiting in the inbox.
+        messages_handled: Messages whose handler ran, by either path.
+        messages_direct: Of those, messages served on the asking task.
     """
 
-    def __init__(self, name: str, inbox_capacity: int, logger: Any = None) -> None:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if inspect.iscoroutinefunction(cls.__dict__.get("handle")):
+            raise TypeError(f"{cls.__name__}.handle must be a plain def: actor handlers never await")
+
+    def __init__(self, name: str, inbox_capacity: int, logger: Any = None, *, direct: bool = True) -> None:
         self.name = name
         self.inbox_capacity = inbox_capacity
+        self.direct = direct
         self._inbox: deque[tuple[Any, Reply]] = deque()
         self._not_empty: anyio.Event | None = None  # set by senders while the actor sleeps
         self._not_full: anyio.Event | None = None  # set by the actor while senders wait
+        self._running = False  # run() is serving (set on entry, cleared on exit)
         self._closed = False
         self._stop_error: BaseException | None = None
         self._scope: anyio.CancelScope | None = None
@@ -95,9 +123,9 @@ class Actor:
         #: ``anyio.Event()`` looks the backend up on every call (2.3 of its 4.9 us).
         self._event_type: type = anyio.Event
         self.log = (logger or structlog.get_logger("akv")).bind(actor=name)
-        #: Highest number of messages seen waiting in the inbox.
         self.max_inbox_depth = 0
         self.messages_handled = 0
+        self.messages_direct = 0
 
     # ------------------------------------------------------------- callers
     @property
@@ -105,13 +133,95 @@ class Actor:
         """Messages waiting in the inbox now."""
         return len(self._inbox)
 
-    async def ask(self, msg: Any) -> Any:
-        """Send ``msg`` and wait for the handler's result.
+    @property
+    def can_serve_now(self) -> bool:
+        """Whether a message given now is served at once on the caller's task (:meth:`serve`).
+
+        True while :attr:`direct` is set, the actor's :meth:`run` is serving,
+        the actor is neither closed nor stopped, and its inbox is empty (so no
+        earlier message is waiting). Handlers never await, so the actor is
+        never inside a handler when another task reads this.
+        """
+        return self.direct and self._running and not self._closed and not self._inbox
+
+    def serve(self, msg: Any) -> Any:
+        """Serve ``msg`` now, on the calling task (the direct hand-off); the actor must be :attr:`can_serve_now`.
+
+        Synchronous: nothing else runs until it returns, so a caller that
+        serves several such actors in a row without awaiting applies all of
+        the messages or (on an error) stops at the failing one with no other
+        task having seen a partial state.
+
+        Returns:
+            The handler's result.
+
+        Raises:
+            AkvError: Whatever typed error the handler raised (the actor goes on).
+            ActorCrashed: The handler raised anything else; the actor is stopped
+                and ``on_crash`` has run, exactly as on the queued path.
+            RuntimeError: Not :attr:`can_serve_now` (a caller's bug: ``ask`` instead).
+        """
+        if not (self.direct and self._running and not self._closed and not self._inbox):
+            raise RuntimeError(f"actor {self.name!r} cannot serve on the caller's task now; ask() instead")
+        self.messages_direct += 1
+        return self._serve(msg)
+
+    async def ask(self, msg: Any, *, shield: bool = False, on_reply: Callable[[Any], object] | None = None) -> Any:
+        """Send ``msg`` and return the handler's result.
+
+        First one checkpoint (``anyio.lowlevel.checkpoint``): a cancellation
+        raised there sent nothing. Then, if the actor :attr:`can_serve_now`, the
+        handler runs right here on the caller's task and its result is
+        returned with no await after it, so a served message's result is never
+        lost to a cancellation. Otherwise the message is queued (waiting for
+        room while the inbox is full: cancellable, nothing sent yet) and the
+        actor's task serves it after every earlier message.
+
+        Args:
+            msg: The message.
+            shield: Shield the wait for the reply of a queued message: once
+                queued, the message is served even if the caller is cancelled,
+                and the cancellation is re-raised after the reply arrived (the
+                reply is then dropped, the message applied). Without it, a
+                cancelled caller stops waiting; the message is still served.
+            on_reply: Called with the result on the caller's task as soon as it
+                is known, on either path, before a deferred cancellation is
+                re-raised: for recording what must not be lost (not called on
+                an error).
+
+        Returns:
+            The handler's result.
 
         Raises:
             AkvError: Whatever typed error the handler raised.
             ActorCrashed: The actor (or another) crashed.
             ManagerClosed: The actor is stopped or stopping.
+        """
+        await anyio.lowlevel.checkpoint()
+        if self.direct and self._running and not self._closed and not self._inbox:
+            self.messages_direct += 1
+            result = self._serve(msg)
+            if on_reply is not None:
+                on_reply(result)
+            return result  # no await between serving and returning
+        reply = await self._enqueue(msg)
+        if not shield:
+            result = await reply.wait()
+            if on_reply is not None:
+                on_reply(result)
+            return result
+        with anyio.CancelScope(shield=True):
+            result = await reply.wait()
+        if on_reply is not None:
+            on_reply(result)
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        return result
+
+    async def _enqueue(self, msg: Any) -> Reply:
+        """Append ``msg`` to the inbox (waiting for room while it is full) and wake the actor's task.
+
+        Raises:
+            ActorCrashed, ManagerClosed: The actor is stopped or closed (nothing queued).
         """
         while True:
             if self._closed:
@@ -128,7 +238,7 @@ class Actor:
             self.max_inbox_depth = len(inbox)
         if self._not_empty is not None:
             self._not_empty.set()
-        return await reply.wait()
+        return reply
 
     def close(self) -> None:
         """Orderly stop: accept no more messages, finish the queued ones, then exit."""
@@ -155,13 +265,45 @@ class Actor:
         if self._not_full is not None:
             self._not_full.set()
 
-    # ------------------------------------------------------------ the loop
+    # ------------------------------------------------------------ serving
+    def _serve(self, msg: Any) -> Any:
+        """Run the handler on one message, on whichever task calls it (the actor's or an asker's).
+
+        Raises:
+            AkvError: The handler's typed error (the actor goes on).
+            ActorCrashed: The handler raised another ``Exception``; the actor
+                is stopped and ``on_crash`` has run (see :meth:`_crash`).
+            BaseException: Anything else (e.g. ``KeyboardInterrupt``) is
+                re-raised as is, after the same stop.
+        """
+        self.messages_handled += 1
+        try:
+            return self.handle(msg)
+        except AkvError:
+            raise
+        except BaseException as exc:
+            err = self._crash(exc)
+            if isinstance(exc, Exception):
+                raise err from exc
+            raise
+
+    def _crash(self, exc: BaseException) -> ActorCrashed:
+        """Stop this actor with the :class:`ActorCrashed` of ``exc``, log it, call ``on_crash``; return the error."""
+        err = ActorCrashed(self.name, exc)
+        err.__cause__ = exc
+        self.log.error("actor.crashed", error=repr(exc), exc_info=exc)
+        self.stop(err)
+        if self.on_crash is not None:
+            self.on_crash(self, err)
+        return err
+
     async def run(self) -> None:
-        """Serve messages until closed (after draining) or stopped. Run it in the manager's task group."""
+        """Serve queued messages until closed (after draining) or stopped. Run it in the manager's task group."""
         inbox = self._inbox
         self._event_type = type(anyio.Event())
         with anyio.CancelScope() as scope:
             self._scope = scope
+            self._running = True
             try:
                 while True:
                     if not inbox:
@@ -177,24 +319,13 @@ class Actor:
                         self._not_full = None
                     self._current = reply
                     try:
-                        result = await self.handle(msg)
-                    except AkvError as exc:
+                        reply.set(self._serve(msg))
+                    except AkvError as exc:  # a crash has already failed the reply and emptied the inbox
                         reply.fail(exc)
-                    except Exception as exc:
-                        err = ActorCrashed(self.name, exc)
-                        err.__cause__ = exc
-                        reply.fail(err)
-                        self.log.error("actor.crashed", error=repr(exc), exc_info=exc)
-                        self.stop(err)
-                        if self.on_crash is not None:
-                            self.on_crash(self, err)
-                        return
-                    else:
-                        reply.set(result)
                     finally:
                         self._current = None
-                    self.messages_handled += 1
             finally:
+                self._running = False
                 self._closed = True
                 if self._current is not None:
                     self._current.fail(self._stop_error or ManagerClosed(f"actor {self.name!r} stopped"))
@@ -209,6 +340,10 @@ class Actor:
             _msg, reply = inbox.popleft()
             reply.fail(error)
 
-    async def handle(self, msg: Any) -> Any:  # pragma: no cover - abstract
-        """Serve one message; return the reply value."""
+    def handle(self, msg: Any) -> Any:  # pragma: no cover - abstract
+        """Serve one message and return the reply value; synchronous (never awaits).
+
+        Raises:
+            AkvError: Bad input, with the actor's state unchanged.
+        """
         raise NotImplementedError

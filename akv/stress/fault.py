@@ -41,12 +41,12 @@ class CrashInjector:
         await anyio.sleep(self.after_s)
         original = self._target.handle
 
-        async def handle(msg: Any) -> Any:
+        def handle(msg: Any) -> Any:
             if self.fired_at is None:
                 self.fired_at = time.perf_counter()
                 if self.on_fire is not None:
                     self.on_fire()
                 raise RuntimeError("injected fault (akv stress --inject-crash-after-s)")
-            return await original(msg)
+            return original(msg)
 
         self._target.handle = handle  # type: ignore[method-assign]
