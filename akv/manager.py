@@ -9,17 +9,20 @@
 
 Every call is one message per shard (each shard owns its blocks' prefix tree),
 so a scheduler pays the actor round trip once per step, not per token. Calls are
-atomic with respect to cancellation: once sent, a call runs to completion in
-its actor (the wait is shielded) and the cancellation is re-raised right after,
-so a cancelled caller never leaves a half-applied operation; cleaning up by id
-(``free`` is idempotent) is always safe.
+atomic with respect to cancellation: a call is cancellable at one checkpoint
+before its message is sent; an idle shard then serves the message on the
+caller's task and the result is returned with no await after it; a message
+queued for a busy shard runs to completion in its actor (the wait is shielded)
+and the cancellation is re-raised right after. A cancelled caller never leaves
+a half-applied operation; cleaning up by id (``free`` is idempotent) is always
+safe.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -219,12 +222,22 @@ class KVCacheManager:
             raise self._failure
         raise ManagerClosed(f"KVCacheManager is {self._phase}; use it inside 'async with'")
 
-    async def _ask(self, actor: Actor, msg: Any) -> Any:
+    async def _ask(self, actor: Actor, msg: Any, on_reply: Callable[[Any], object] | None = None) -> Any:
+        """Send one message and return the reply; atomic with respect to cancellation.
+
+        ``Actor.ask(shield=True)``: a cancellation at its first checkpoint sends
+        nothing; an idle actor then serves the message on this task and the
+        reply is returned with no await after it; a queued message is served
+        even if the caller is cancelled meanwhile (the wait is shielded), and
+        the cancellation is re-raised after the reply, once ``on_reply`` (a
+        synchronous ``callable(reply)``) has recorded what must not be lost.
+
+        Raises:
+            ActorCrashed, ManagerClosed: The manager is not running.
+            AkvError: The actor's typed error for this message.
+        """
         self._check_running()
-        with anyio.CancelScope(shield=True):
-            result = await actor.ask(msg)
-        await anyio.lowlevel.checkpoint_if_cancelled()
-        return result
+        return await actor.ask(msg, shield=True, on_reply=on_reply)
 
     # -------------------------------------------------------------- the step
     async def step(
@@ -354,11 +367,7 @@ class KVCacheManager:
                 }
             )
         if len(self._shards) == 1:
-            self._check_running()
-            with anyio.CancelScope(shield=True):
-                outcome, ticket = await self._shards[0].ask(Step(request, self._tracer.context()))
-                self._track(ticket)
-            await anyio.lowlevel.checkpoint_if_cancelled()
+            outcome, ticket = await self._ask(self._shards[0], Step(request, self._tracer.context()), self._track_step)
             return self._result([outcome], [ticket] if ticket is not None else [])
         return await self._step_sharded(request)
 
@@ -367,6 +376,12 @@ class KVCacheManager:
 
         Multi-shard steps are serialized by a lock so that no other step can
         change a shard between the validation and the application of a part.
+        Acquiring the lock is the call's checkpoint (a cancellation there
+        applies nothing). If every shard the step touches can serve now
+        (``Actor.can_serve_now``), the parts are validated and applied on this
+        task with no await until the result is returned; otherwise they go
+        through the shards' inboxes inside a shielded scope, and a
+        cancellation is re-raised once every part is applied.
         """
         async with self._sharded_lock:
             route = self._route
@@ -409,19 +424,30 @@ class KVCacheManager:
                 shard = max(range(len(free_now)), key=lambda i: free_now[i])
                 free_now[shard] -= len(adm.prompt) / (self.config.block_size * self._shards[shard].state.pool.num_blocks)
                 part(shard)["admits"].append(adm)
-            subs = {shard: StepRequest(**fields, want_metadata=request.want_metadata) for shard, fields in parts.items()}
+            subs = [(shard, StepRequest(**parts[shard], want_metadata=request.want_metadata)) for shard in sorted(parts)]
             context = self._tracer.context()
             self._check_running()
             outcomes, tickets = [], []
-            with anyio.CancelScope(shield=True):  # all shards' parts, or none
-                for shard, sub in sorted(subs.items()):
-                    await self._shards[shard].ask(Validate(sub))
-                for shard, sub in sorted(subs.items()):
-                    outcome, ticket = await self._shards[shard].ask(Step(sub, context))
+            direct = all(self._shards[shard].can_serve_now for shard, _ in subs)
+            if direct:  # every part served on this task with no await in between: all or nothing
+                for shard, sub in subs:
+                    self._shards[shard].serve(Validate(sub))
+                for shard, sub in subs:
+                    outcome, ticket = self._shards[shard].serve(Step(sub, context))
                     self._track(ticket)
                     outcomes.append((shard, outcome))
                     if ticket is not None:
                         tickets.append(ticket)
+            else:
+                with anyio.CancelScope(shield=True):  # all shards' parts, or none
+                    for shard, sub in subs:
+                        await self._shards[shard].ask(Validate(sub))
+                    for shard, sub in subs:
+                        outcome, ticket = await self._shards[shard].ask(Step(sub, context))
+                        self._track(ticket)
+                        outcomes.append((shard, outcome))
+                        if ticket is not None:
+                            tickets.append(ticket)
             for _, outcome in outcomes:
                 for seq_id in outcome.freed:
                     route.pop(seq_id, None)
@@ -429,12 +455,17 @@ class KVCacheManager:
             for shard, outcome in outcomes:
                 for seq_id in outcome.cached_tokens:
                     route[seq_id] = shard
-        await anyio.lowlevel.checkpoint_if_cancelled()
+        if not direct:
+            await anyio.lowlevel.checkpoint_if_cancelled()
         order = [*request.appends, *(adm.seq_id for adm in request.admits)]
         return self._result([o for _, o in outcomes], tickets, order, want_metadata=request.want_metadata)
 
+    def _track_step(self, reply: tuple[StepOutcome, Any]) -> None:
+        """``on_reply`` of a one-shard step: record its copy ticket even if the caller is cancelled."""
+        self._track(reply[1])
+
     def _track(self, ticket: Any) -> None:
-        """Remember a copy ticket for :meth:`wait_copies` (inside the shielded part of a call)."""
+        """Remember a copy ticket for :meth:`wait_copies` (before a deferred cancellation is re-raised)."""
         if ticket is not None:
             self._tickets = [t for t in self._tickets if not t.done()]
             self._tickets.append(ticket)

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from akv.config import KVCacheConfig
@@ -180,15 +181,30 @@ async def test_check_is_sound_while_the_eviction_loop_runs() -> None:
 async def test_wait_copies_waits_for_the_copies_of_cancelled_calls() -> None:
     """Regression (found by the harness): a cancelled call's copy ticket was never recorded, so
     wait_copies() (and check()) returned while that copy was still pending. The ticket is now
-    recorded inside the shielded part of the call."""
+    recorded (``on_reply``) before the deferred cancellation is re-raised.
+
+    Only a queued step can be cancelled after it was applied (an idle shard serves the step on
+    the caller's task, after the call's only checkpoint), so the shard is made to queue."""
     async with KVCacheManager(_config(num_blocks=8)) as kv:
         gate = _gate_copies(kv)
         await prefill(kv, "s0", [1, 2, 3, 4, 5, 6])
         await kv.fork("s0", ["s1"])
+        shard = kv._shards[0]  # reaching in on purpose: force the queued path
+        shard.direct = False
+        sent = shard.messages_handled
         with anyio.CancelScope() as scope:
-            scope.cancel()
-            await kv.step(appends={"s1": [9]})  # applied (shielded), copy submitted, then cancelled
+
+            async def cancel_once_queued() -> None:
+                while not shard.inbox_depth and shard.messages_handled == sent:
+                    await anyio.lowlevel.checkpoint()
+                scope.cancel()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cancel_once_queued)
+                await kv.step(appends={"s1": [9]})  # applied (shielded), copy submitted, then cancelled
+        shard.direct = True
         assert scope.cancelled_caught
+        assert (await kv.sequence("s1")).num_tokens == 7  # applied, copy-on-write of the shared tail
         await kv.free("s0")
         await kv.free("s1")
         try:
@@ -200,6 +216,24 @@ async def test_wait_copies_waits_for_the_copies_of_cancelled_calls() -> None:
         with anyio.fail_after(5):
             await kv.wait_copies()
         assert (await kv.stats()).in_flight == 0
+
+
+@pytest.mark.anyio
+async def test_step_cancelled_before_it_is_sent_applies_nothing() -> None:
+    """A step to an idle shard is cancellable only at its checkpoint, before the message is sent."""
+    async with KVCacheManager(_config(num_blocks=8)) as kv:
+        await prefill(kv, "s0", [1, 2, 3, 4, 5, 6])
+        await kv.fork("s0", ["s1"])
+        before = await kv.stats()
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await kv.step(appends={"s1": [9]})
+        assert scope.cancelled_caught
+        assert (await kv.sequence("s1")).num_tokens == 6
+        after = await kv.stats()
+        assert (after.free, after.active, after.cow_copies) == (before.free, before.active, before.cow_copies)
+        await kv.wait_copies()
+        await kv.check()
 
 
 @pytest.mark.anyio
