@@ -171,6 +171,23 @@ async def test_crash_gives_actor_crashed_and_stops_the_actor(direct: bool) -> No
 
 @pytest.mark.anyio
 @both_backends
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "queued"])
+@pytest.mark.parametrize("shield", [False, True])
+async def test_ask_cancelled_at_its_checkpoint_sends_nothing(direct: bool, shield: bool) -> None:
+    actor = Recorder(direct=direct)
+    async with anyio.create_task_group() as tg:
+        await _started(tg, actor)
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await actor.ask(1, shield=shield)
+        assert scope.cancelled_caught
+        assert await actor.ask(2) == 2
+        assert actor.seen == [2] and actor.messages_handled == 1
+        actor.close()
+
+
+@pytest.mark.anyio
+@both_backends
 async def test_ask_after_close_raises_manager_closed() -> None:
     actor = Recorder()
     async with anyio.create_task_group() as tg:

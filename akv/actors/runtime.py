@@ -169,13 +169,16 @@ class Actor:
     async def ask(self, msg: Any, *, shield: bool = False, on_reply: Callable[[Any], object] | None = None) -> Any:
         """Send ``msg`` and return the handler's result.
 
-        First one checkpoint (``anyio.lowlevel.checkpoint``): a cancellation
-        raised there sent nothing. Then, if the actor :attr:`can_serve_now`, the
-        handler runs right here on the caller's task and its result is
-        returned with no await after it, so a served message's result is never
-        lost to a cancellation. Otherwise the message is queued (waiting for
-        room while the inbox is full: cancellable, nothing sent yet) and the
-        actor's task serves it after every earlier message.
+        First one cancellation point: a cancellation raised there sent
+        nothing. If the actor :attr:`can_serve_now`, that point is a full
+        checkpoint (``anyio.lowlevel.checkpoint``, which also lets other tasks
+        run); if it still can after it, the handler runs right here on the
+        caller's task and its result is returned with no await after it, so a
+        served message's result is never lost to a cancellation. Otherwise the
+        message is queued (waiting for room while the inbox is full:
+        cancellable, nothing sent yet) and the actor's task serves it after
+        every earlier message; the point is then only
+        ``checkpoint_if_cancelled`` (no yield: the wait for the reply yields).
 
         Args:
             msg: The message.
@@ -197,13 +200,16 @@ class Actor:
             ActorCrashed: The actor (or another) crashed.
             ManagerClosed: The actor is stopped or stopping.
         """
-        await anyio.lowlevel.checkpoint()
         if self.direct and self._running and not self._closed and not self._inbox:
-            self.messages_direct += 1
-            result = self._serve(msg)
-            if on_reply is not None:
-                on_reply(result)
-            return result  # no await between serving and returning
+            await anyio.lowlevel.checkpoint()
+            if self.direct and self._running and not self._closed and not self._inbox:  # still, after the yield
+                self.messages_direct += 1
+                result = self._serve(msg)
+                if on_reply is not None:
+                    on_reply(result)
+                return result  # no await between serving and returning
+        else:
+            await anyio.lowlevel.checkpoint_if_cancelled()  # the wait for the reply yields anyway
         reply = await self._enqueue(msg)
         if not shield:
             result = await reply.wait()
