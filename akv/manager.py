@@ -806,8 +806,12 @@ def _items(values: Any, what: str) -> list:
 def _ids(values: Any, what: str) -> list:
     """A sequence of hashable ids (a lone string is refused, not split into characters)."""
     ids = _items(values, what)
-    for value in ids:
-        _check_id(value, f"an id in {what}")
+    try:
+        for value in ids:
+            hash(value)
+    except TypeError:
+        for value in ids:
+            _check_id(value, f"an id in {what}")
     return ids
 
 
