@@ -73,7 +73,7 @@ class RequestTooLarge(InvalidInput):
 
     def __init__(self, requested_blocks: int, num_blocks: int) -> None:
         super().__init__(
-            f"request needs {requested_blocks} blocks but the pool only has {num_blocks}; "
+            f"request needs {requested_blocks} blocks but a shard of the pool holds only {num_blocks}; "
             "it can never be served"
         )
         self.requested_blocks = requested_blocks

@@ -545,13 +545,16 @@ class KVCacheManager:
 
         Args:
             seq_id: New caller-chosen id (e.g. the request id).
-            prompt: Token ids, 1-D ints, non-empty.
+            prompt: Token ids, 1-D ints, non-empty (a list, numpy array or
+                torch tensor; a lone integer scalar is a one-token prompt).
             namespace: Prefix-cache namespace (tenant, adapter, model epoch).
 
         Returns:
             Prompt tokens served from the prefix cache: whole blocks, and never
             the last prompt token (it is always computed), so at most
-            ``(len(prompt) - 1) // block_size * block_size``.
+            ``(len(prompt) - 1) // block_size * block_size``. After computing
+            the prompt, commit ``len(prompt) - cached`` tokens (the hits are
+            already computed).
 
         Raises:
             InvalidTokens: Empty or bad prompt (nothing allocated).
@@ -610,6 +613,11 @@ class KVCacheManager:
     async def free(self, seq_id: Hashable, *, preempted: bool = False) -> bool:
         """Free a sequence's blocks (full published blocks stay cached). Idempotent.
 
+        Shielded from cancellation: it runs to completion even inside a
+        cancelled scope (so ``finally: await kv.free(seq_id)`` releases the
+        blocks of a cancelled request) and is not itself a cancellation point;
+        the cancellation reaches the caller at its next checkpoint.
+
         Args:
             seq_id: The sequence.
             preempted: The scheduler preempts it (to re-admit later); counted
@@ -617,8 +625,13 @@ class KVCacheManager:
 
         Returns:
             True if the sequence was live, False if unknown or already freed.
+
+        Raises:
+            InvalidInput: ``seq_id`` is not hashable.
+            ManagerClosed, ActorCrashed: The manager is not running (its
+                sequences are gone with it).
         """
-        with self._tracer.span("akv.free", attributes={"akv.seq_id": str(seq_id)}):
+        with self._tracer.span("akv.free", attributes={"akv.seq_id": str(seq_id)}), anyio.CancelScope(shield=True):
             if preempted:
                 result = await self.step(preempted=(seq_id,), want_metadata=False)
             else:

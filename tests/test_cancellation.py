@@ -123,6 +123,9 @@ SCENARIOS: dict[str, tuple[Setup, Call]] = {
     "wait_copies": (_forked, lambda kv: _append_then_wait_copies(kv)),
 }
 
+#: Calls shielded from cancellation: they complete whatever the checkpoint (free() is cleanup).
+UNCANCELLABLE = frozenset({"free"})
+
 
 async def _append_then_wait_copies(kv: KVCacheManager) -> None:
     await kv.append("s1", [9])
@@ -185,4 +188,37 @@ async def test_cancel_at_every_checkpoint_leaks_nothing(tiny_config, name: str) 
             cancelled_at.append(k)
         else:
             pytest.fail(f"{name}: still cancelled after {K_MAX} checkpoints")
-    assert cancelled_at, f"{name}: never cancelled; the sweep did not reach the call's await points"
+    if name in UNCANCELLABLE:
+        assert not cancelled_at, f"{name}: cancelled at checkpoints {cancelled_at}; it is shielded"
+    else:
+        assert cancelled_at, f"{name}: never cancelled; the sweep did not reach the call's await points"
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", pytest.param("trio", marks=TRIO_OK)])
+@pytest.mark.parametrize("num_shards", [1, 2])
+async def test_free_in_finally_of_a_cancelled_request_releases_its_blocks(tiny_config, num_shards: int) -> None:
+    """The natural cleanup pattern: ``try: ... finally: await kv.free(id)`` in a request task that
+    gets cancelled. free() is shielded, so the blocks come back (fresh-eyes report: they leaked)."""
+    async with KVCacheManager(tiny_config(num_blocks=16, num_shards=num_shards)) as kv:
+        started = 0
+
+        async def request(seq_id: str) -> None:
+            nonlocal started
+            try:
+                await kv.add_sequence(seq_id, list(range(1, 10)))
+                started += 1
+                await anyio.sleep_forever()
+            finally:
+                assert await kv.free(seq_id) is True
+
+        async with anyio.create_task_group() as tg:
+            for i in range(4):
+                tg.start_soon(request, f"r{i}")
+            with anyio.fail_after(5):
+                while started < 4:
+                    await anyio.sleep(0.001)
+            tg.cancel_scope.cancel()
+        await kv.check()
+        s = await kv.stats()
+        assert (s.num_sequences, s.active) == (0, 0)
+        assert s.free + s.cached == s.num_blocks

@@ -345,3 +345,24 @@ async def test_step_touching_no_shard_returns_empty_metadata(tiny_config, num_sh
             assert r.query_start_loc.tolist() == [0]
         r = await kv.step(want_metadata=False)
         assert r.block_tables is None and r.slot_mapping is None
+
+
+async def test_bfloat16_token_tensor_is_invalid_tokens(tiny_config) -> None:
+    """A bfloat16 tensor (numpy has no such dtype) is refused as InvalidTokens, nothing applied
+    (fresh-eyes report: a plain TypeError escaped)."""
+    import torch
+
+    async with KVCacheManager(config(tiny_config, num_blocks=8)) as kv:
+        await prefill(kv, "s0", [1, 2, 3])
+        before = await kv.stats()
+        bad = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
+        with pytest.raises(InvalidTokens, match="bfloat16"):
+            await kv.add_sequence("s1", bad)
+        with pytest.raises(InvalidTokens, match="bfloat16"):
+            await kv.append("s0", bad)
+        with pytest.raises(InvalidTokens, match="bfloat16"):
+            await kv.lookup(bad)
+        after = await kv.stats()
+        assert (after.num_sequences, after.active, after.free) == (before.num_sequences, before.active, before.free)
+        assert (await kv.sequence("s0")).token_ids == (1, 2, 3)
+        await kv.check()

@@ -27,7 +27,12 @@ def as_token_array(tokens, vocab_size: int, *, what: str = "tokens") -> np.ndarr
     if isinstance(tokens, (str, bytes, bytearray)) or tokens is None:
         raise InvalidTokens(f"{what}: expected a sequence of int token ids, got {type(tokens).__name__}")
     if hasattr(tokens, "detach") and hasattr(tokens, "numpy"):
-        tokens = tokens.detach().cpu().numpy()
+        try:
+            tokens = tokens.detach().cpu().numpy()
+        except (TypeError, RuntimeError) as exc:  # e.g. bfloat16, which numpy lacks
+            raise InvalidTokens(
+                f"{what}: token ids must be integers, got a tensor of dtype {tokens.dtype} ({exc})"
+            ) from None
     if isinstance(tokens, np.ndarray):
         arr = tokens
     else:
