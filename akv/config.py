@@ -1,7 +1,7 @@
 """Configuration of a :class:`~akv.manager.KVCacheManager` and model shape presets.
 
 Everything is a frozen, keyword-only, slotted dataclass validated in
-``__post_init__`` with :class:`ValueError` (never ``assert``). No torch import:
+``__post_init__`` with :class:`~akv.errors.InvalidInput` (a ``ValueError``; never ``assert``). No torch import:
 dtypes are named by string and resolved by :mod:`akv.storage`.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from akv.core.eviction_policy import EVICTION_POLICIES
+from akv.errors import InvalidInput
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 
@@ -37,9 +38,9 @@ class ModelShape:
         for field in ("num_layers", "num_kv_heads", "head_dim"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{field} must be a positive int, got {value!r}")
+                raise InvalidInput(f"{field} must be a positive int, got {value!r}")
         if self.dtype not in _DTYPE_BYTES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPE_BYTES)}, got {self.dtype!r}")
+            raise InvalidInput(f"dtype must be one of {sorted(_DTYPE_BYTES)}, got {self.dtype!r}")
 
     @property
     def dtype_bytes(self) -> int:
@@ -74,12 +75,12 @@ def model_shape(name: str) -> ModelShape:
     """Return the preset named ``name``.
 
     Raises:
-        ValueError: Unknown preset; the message lists the known ones.
+        InvalidInput: Unknown preset; the message lists the known ones.
     """
     try:
         return MODEL_SHAPES[name]
     except KeyError:
-        raise ValueError(f"unknown model shape {name!r}; known: {', '.join(MODEL_SHAPES)}") from None
+        raise InvalidInput(f"unknown model shape {name!r}; known: {', '.join(MODEL_SHAPES)}") from None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -115,7 +116,7 @@ class KVCacheConfig:
             (docs/benchmarks.md, "Eviction quality").
 
     Raises:
-        ValueError: Any field out of range.
+        InvalidInput: Any field out of range (a ``ValueError`` subclass).
     """
 
     num_blocks: int
@@ -137,20 +138,20 @@ class KVCacheConfig:
         for field in ("num_blocks", "block_size", "vocab_size", "num_shards", "eviction_batch_blocks", "inbox_capacity"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{field} must be a positive int, got {value!r}")
+                raise InvalidInput(f"{field} must be a positive int, got {value!r}")
         if self.num_shards > self.num_blocks:
-            raise ValueError(f"num_shards ({self.num_shards}) exceeds num_blocks ({self.num_blocks})")
+            raise InvalidInput(f"num_shards ({self.num_shards}) exceeds num_blocks ({self.num_blocks})")
         if self.storage not in ("tensors", "none"):
-            raise ValueError(f"storage must be 'tensors' or 'none', got {self.storage!r}")
+            raise InvalidInput(f"storage must be 'tensors' or 'none', got {self.storage!r}")
         if not (0.0 <= self.low_watermark <= self.high_watermark <= 1.0):
-            raise ValueError(
+            raise InvalidInput(
                 "watermarks must satisfy 0 <= low_watermark <= high_watermark <= 1, "
                 f"got low={self.low_watermark}, high={self.high_watermark}"
             )
         if not isinstance(self.model, ModelShape):
-            raise ValueError(f"model must be a ModelShape, got {type(self.model).__name__}")
+            raise InvalidInput(f"model must be a ModelShape, got {type(self.model).__name__}")
         if not isinstance(self.eviction_policy, str) or self.eviction_policy not in EVICTION_POLICIES:
-            raise ValueError(f"unknown eviction_policy {self.eviction_policy!r}; known: {', '.join(EVICTION_POLICIES)}")
+            raise InvalidInput(f"unknown eviction_policy {self.eviction_policy!r}; known: {', '.join(EVICTION_POLICIES)}")
 
     @property
     def bytes_per_block(self) -> int:

@@ -109,13 +109,20 @@ class KVCacheManager:
             tracer=self._tracer,
         )
         for index, block_ids in enumerate(cfg.shard_ranges()):
-            state = ShardState(
-                index,
-                block_ids,
-                cfg.block_size,
-                enable_prefix_cache=cfg.enable_prefix_cache,
-                eviction_policy=cfg.eviction_policy,
-            )
+            try:
+                state = ShardState(
+                    index,
+                    block_ids,
+                    cfg.block_size,
+                    enable_prefix_cache=cfg.enable_prefix_cache,
+                    eviction_policy=cfg.eviction_policy,
+                )
+            except MemoryError:
+                self._shards.clear()
+                raise InvalidInput(
+                    f"cannot allocate the block metadata of {len(block_ids):,} blocks "
+                    f"(states, refcounts and {cfg.block_size} token ids per block) on the host"
+                ) from None
             self._shards.append(
                 PoolShardActor(
                     state,
@@ -277,12 +284,15 @@ class KVCacheManager:
 
         Raises:
             InvalidTokens: Bad token ids (nothing applied).
-            InvalidInput: Bad commit counts, empty appends (nothing applied).
+            InvalidInput: Bad commit counts, empty appends, a non-bool
+                ``want_metadata`` (nothing applied).
             UnknownSequence: A commit, fork or append names no live sequence.
             DuplicateSequence: An admission or fork child id is already live.
             ActorCrashed, ManagerClosed: The manager is not running.
         """
         self._check_running()
+        if not isinstance(want_metadata, (bool, np.bool_)):
+            raise InvalidInput(f"want_metadata must be a bool, got {type(want_metadata).__name__} {want_metadata!r}")
         with self._tracer.span("akv.step") as span:
             t0 = time.perf_counter()
             result = await self._step(

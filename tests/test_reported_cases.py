@@ -366,3 +366,18 @@ async def test_bfloat16_token_tensor_is_invalid_tokens(tiny_config) -> None:
         assert (after.num_sequences, after.active, after.free) == (before.num_sequences, before.active, before.free)
         assert (await kv.sequence("s0")).token_ids == (1, 2, 3)
         await kv.check()
+
+
+async def test_non_bool_want_metadata_and_huge_metadata_pool_are_invalid_input(tiny_config) -> None:
+    """``want_metadata="no"`` was taken as true; a metadata-only pool too big for the host
+    raised a raw MemoryError on enter (fresh-eyes report); bad config values are InvalidInput."""
+    async with KVCacheManager(config(tiny_config, num_blocks=8)) as kv:
+        with pytest.raises(InvalidInput, match="want_metadata must be a bool"):
+            await kv.step(want_metadata="no")
+        await kv.check()
+    huge = tiny_config(num_blocks=2**40, block_size=16, storage="none")
+    with pytest.raises(InvalidInput, match="cannot allocate the block metadata"):
+        async with KVCacheManager(huge):
+            pass
+    with pytest.raises(InvalidInput, match="num_blocks must be a positive int"):
+        tiny_config(num_blocks=0)
