@@ -290,6 +290,9 @@ class BlockPool:
             ValueError: A block would drop below refcount 0 (a double free).
                 Nothing is applied then.
         """
+        if type(block_ids) is tuple and len(block_ids) == 1:  # copy-on-write drops one block
+            self._decref_one(block_ids[0])
+            return
         ids = block_ids if isinstance(block_ids, np.ndarray) else np.fromiter(block_ids, dtype=np.intp)
         n = len(ids)
         if not n:
@@ -325,6 +328,18 @@ class BlockPool:
         if len(zero):
             self._release_many(zero)
 
+    def _decref_one(self, b: int) -> None:
+        """:meth:`decref` of one block, without numpy's per-call overhead."""
+        i = b - self.first_block_id
+        left = int(self._refcount[i]) - 1
+        if left < 0:
+            raise ValueError(f"decref of block {b} with refcount 0 (double free)")
+        self._refcount[i] = left
+        self.total_refs -= 1
+        if not left:
+            self._counts[ACTIVE] -= 1
+            self._release(i)
+
     def _release_many(self, zero: np.ndarray) -> None:
         """Blocks at offsets ``zero`` (in release order) lost their last reference."""
         counts, base = self._counts, self.first_block_id
@@ -352,6 +367,11 @@ class BlockPool:
 
     def mark_published(self, block_ids: Iterable[int]) -> None:
         """Record that these (referenced) blocks are now in the prefix cache."""
+        if isinstance(block_ids, (list, tuple)) and len(block_ids) <= _SCALAR_MAX:
+            base, pub = self.first_block_id, self._published
+            for b in block_ids:
+                pub[b - base] = True
+            return
         ids = block_ids if isinstance(block_ids, np.ndarray) else np.fromiter(block_ids, dtype=np.intp)
         self._published[ids.astype(np.intp) - self.first_block_id] = True
 

@@ -610,12 +610,15 @@ class ShardState:
         publishing.append((seq, start, ids))
 
     def _apply_published(self, publishing: list, results: list) -> None:
+        marked: list[int] = []
         for (seq, start, ids), done in zip(publishing, results):
             if done:
-                self.pool.mark_published(ids[:done])
+                marked.extend(ids[:done])
             seq.num_published = start + done
             if done < len(ids):
                 seq.publish_stopped = True
+        if marked:
+            self.pool.mark_published(marked)
 
     def _make_room(self, need: int, total: int, protected: dict[int, int], out: StepOutcome) -> TreeGen:
         """Ensure ``need`` free blocks, evicting if needed; return an error instead if impossible.
