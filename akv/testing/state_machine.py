@@ -33,6 +33,7 @@ overriding :meth:`ShardStateMachine.make_shard` / :meth:`ShardStateMachine.make_
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Hashable
 from typing import Any
@@ -428,6 +429,32 @@ class ShardStateMachine(RuleBasedStateMachine):
         else:
             assert out.freed == []
             assert self._snapshot() == before, "freeing an unknown sequence changed the shard"
+
+    @precondition(lambda self: len(self.model) >= 2)
+    @rule(data=st.data())
+    def free_several(self, data) -> None:
+        """Several sequences (sharing prefix blocks, forks among them) freed in one step, with a
+        repeated and an unknown id: the same shard as freeing them one step each."""
+        live = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=2, max_size=5, unique=True), label="live")
+        frees = [*live, live[0], data.draw(st.sampled_from(self.dead), label="dead")]
+        frees = data.draw(st.permutations(frees), label="order")
+        one_by_one = copy.deepcopy((self.shard, self.tree))
+        out = self._step(frees=frees, want_metadata=False)
+        expected = list(dict.fromkeys(x for x in frees if x in self.model))
+        note(f"free {frees} in one step -> {out.freed}")
+        assert out.freed == expected
+        shard, tree = one_by_one
+        for sid in frees:
+            drive(shard.step(StepRequest(frees=[sid], want_metadata=False)), tree)
+        pool, ref = self.shard.pool, shard.pool
+        assert pool.counts() == ref.counts()
+        assert pool.eviction_order() == ref.eviction_order(), "batched free released blocks in another order"
+        assert pool._free == ref._free, "the free queues differ (the next allocations would)"
+        blocks = range(pool.first_block_id, pool.first_block_id + pool.num_blocks)
+        assert [pool.refcount(b) for b in blocks] == [ref.refcount(b) for b in blocks]
+        for sid in expected:
+            del self.model[sid]
+            self.dead.append(sid)
 
     @rule(max_blocks=st.integers(1, 6))
     def evict(self, max_blocks) -> None:
