@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Container, Iterable
+from itertools import compress
 
 import numpy as np
 
@@ -306,6 +307,21 @@ class BlockPool:
                 raise ValueError(f"decref of block {bad + self.first_block_id} with refcount 0 (double free)")
             ref[idx] = left
             zero = idx[left == 0]
+        elif self.num_blocks <= _BINCOUNT_RATIO * n:
+            # Several sequences share blocks, and the pool is small next to the
+            # batch: count the drops per block over the whole pool (fewer numpy
+            # calls than sorting; each call costs microseconds in a busy loop).
+            drops = np.bincount(idx, minlength=self.num_blocks)
+            left = ref - drops
+            if left.min() < 0:
+                bad = int(np.argmin(left))
+                raise ValueError(f"decref of block {bad + self.first_block_id} with refcount 0 (double free)")
+            np.copyto(ref, left, casting="unsafe")
+            zero = idx[left[idx] == 0]  # every occurrence of a block that reached 0
+            if len(zero) > 1 and (drops[zero] > 1).any():  # keep each one's last occurrence, in order
+                latest_first = zero[::-1]
+                _, first = np.unique(latest_first, return_index=True)
+                zero = latest_first[np.sort(first)][::-1]
         else:
             # Several sequences share blocks: count each block's drops, and order
             # the blocks that reach 0 by their last occurrence.
@@ -349,21 +365,20 @@ class BlockPool:
                 self._release(i)
             return
         published = self._published[zero]
-        cached = zero[published]
-        freed = zero[~published]
-        if len(cached):
-            self._state[cached] = CACHED
-            counts[CACHED] += len(cached)
-            cached_ids = (cached + base).tolist()
+        self._state[zero] = np.where(published, CACHED, FREE)
+        ids = (zero + base).tolist()
+        cached_ids = list(compress(ids, published.tolist()))
+        if len(cached_ids) < len(ids):
+            freed_ids = list(compress(ids, (~published).tolist()))
+            counts[FREE] += len(freed_ids)
+            self._free.extend(freed_ids)
+            self.blocks_freed += len(freed_ids)
+        if cached_ids:
+            counts[CACHED] += len(cached_ids)
             if self._keyed is not None:  # a keyed order takes them in one call, in release order
                 self._keyed.extend(cached_ids)
             else:
                 self._lru.update(dict.fromkeys(cached_ids))
-        if len(freed):
-            self._state[freed] = FREE
-            counts[FREE] += len(freed)
-            self._free.extend((freed + base).tolist())
-            self.blocks_freed += len(freed)
 
     def mark_published(self, block_ids: Iterable[int]) -> None:
         """Record that these (referenced) blocks are now in the prefix cache."""
@@ -528,6 +543,11 @@ class BlockPool:
 #: Up to this many blocks, :meth:`BlockPool.allocate` writes states one by one
 #: (numpy's per-call overhead exceeds the per-element cost below it).
 _SCALAR_MAX = 4
+
+
+#: A batched :meth:`BlockPool.decref` with shared blocks counts the drops over the whole pool
+#: (``np.bincount``) while the pool has at most this many blocks per id in the batch, else sorts.
+_BINCOUNT_RATIO = 64
 
 
 def _distinct(idx: np.ndarray) -> bool:
