@@ -438,26 +438,26 @@ class KVCacheManager:
             context = self._tracer.context()
             self._check_running()
             outcomes, tickets = [], []
+
+            def record(shard: int, reply: tuple[StepOutcome, Any]) -> None:
+                outcome, ticket = reply
+                self._track(ticket)
+                outcomes.append((shard, outcome))
+                if ticket is not None:
+                    tickets.append(ticket)
+
             direct = all(self._shards[shard].can_serve_now for shard, _ in subs)
             if direct:  # every part served on this task with no await in between: all or nothing
                 for shard, sub in subs:
                     self._shards[shard].serve(Validate(sub))
                 for shard, sub in subs:
-                    outcome, ticket = self._shards[shard].serve(Step(sub, context))
-                    self._track(ticket)
-                    outcomes.append((shard, outcome))
-                    if ticket is not None:
-                        tickets.append(ticket)
+                    record(shard, self._shards[shard].serve(Step(sub, context)))
             else:
                 with anyio.CancelScope(shield=True):  # all shards' parts, or none
                     for shard, sub in subs:
                         await self._shards[shard].ask(Validate(sub))
                     for shard, sub in subs:
-                        outcome, ticket = await self._shards[shard].ask(Step(sub, context))
-                        self._track(ticket)
-                        outcomes.append((shard, outcome))
-                        if ticket is not None:
-                            tickets.append(ticket)
+                        record(shard, await self._shards[shard].ask(Step(sub, context)))
             for _, outcome in outcomes:
                 for seq_id in outcome.freed:
                     route.pop(seq_id, None)
