@@ -332,6 +332,12 @@ class KVCacheManager:
         want_metadata: bool,
     ) -> StepResult:
         """Validate and convert the step's input, then ask the shard(s) (see :meth:`step`)."""
+        if commits is None and appends is None and _empty_tuple(admits) and _empty_tuple(forks) and _empty_tuple(preempted):
+            # Frees only (a serving stack's end-of-request call): nothing else to validate.
+            request = StepRequest(frees=tuple(_ids(frees, "frees")), want_metadata=want_metadata)
+            if span.is_recording():
+                span.set_attributes(_step_attributes(request))
+            return await self._ask_step(request)
         vocab = self.config.vocab_size
         frees = _ids(frees, "frees")
         preempted = frozenset(_ids(preempted, "preempted"))
@@ -366,16 +372,11 @@ class KVCacheManager:
             want_metadata=want_metadata,
         )
         if span.is_recording():
-            span.set_attributes(
-                {
-                    "akv.frees": len(request.frees),
-                    "akv.preempted": len(preempted),
-                    "akv.commits": len(request.commits),
-                    "akv.forks": len(request.forks),
-                    "akv.appends": len(request.appends),
-                    "akv.admits": len(request.admits),
-                }
-            )
+            span.set_attributes(_step_attributes(request))
+        return await self._ask_step(request)
+
+    async def _ask_step(self, request: StepRequest) -> StepResult:
+        """Send a validated step to its shard (or split it over the shards) and build the result."""
         if len(self._shards) == 1:
             outcome, ticket = await self._ask(self._shards[0], Step(request, self._tracer.context()), self._track_step)
             return self._result([outcome], [ticket] if ticket is not None else [])
@@ -809,6 +810,23 @@ class KVCacheManager:
     def inbox_depths(self) -> dict[str, int]:
         """Messages waiting in each actor's inbox now."""
         return {a.name: a.inbox_depth for a in self._actors}
+
+
+def _empty_tuple(value: Any) -> bool:
+    """Whether ``value`` is ``()`` (a step argument left at its default), without comparing arrays."""
+    return type(value) is tuple and not value
+
+
+def _step_attributes(request: StepRequest) -> dict[str, int]:
+    """Span attributes of a step's input: how many items of each kind."""
+    return {
+        "akv.frees": len(request.frees),
+        "akv.preempted": len(request.preempted),
+        "akv.commits": len(request.commits),
+        "akv.forks": len(request.forks),
+        "akv.appends": len(request.appends),
+        "akv.admits": len(request.admits),
+    }
 
 
 def _check_id(value: Any, what: str) -> None:

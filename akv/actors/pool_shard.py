@@ -17,6 +17,7 @@ watermark, wakes the eviction loop (a hint through an event, not an ask).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -195,6 +196,11 @@ class PoolShardActor(Actor):
     def _log_step(self, request: StepRequest, outcome: StepOutcome) -> None:
         """Debug events of one step, each carrying the sequence that caused it (see docs/logging.md)."""
         log, seqs = self.log, self.state.sequences
+        enabled = getattr(log, "is_enabled_for", None)  # structlog's filtering loggers have it
+        if enabled is not None and not enabled(logging.DEBUG):
+            if outcome.rejected:
+                self._log_rejected(outcome)
+            return
         for seq_id in outcome.freed:
             log.debug("sequence.freed", seq_id=seq_id, preempted=seq_id in request.preempted)
         for parent_id, child_ids in request.forks:
@@ -212,6 +218,10 @@ class PoolShardActor(Actor):
                     blocks=len(seq.block_ids),
                     resumed=adm.resumed,
                 )
+        self._log_rejected(outcome)
+
+    def _log_rejected(self, outcome: StepOutcome) -> None:
+        log = self.log
         for seq_id, err in outcome.rejected.items():
             if isinstance(err, PoolExhausted):
                 log.debug(

@@ -38,6 +38,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Container, Iterable
 from itertools import compress
+from operator import not_
 
 import numpy as np
 
@@ -195,19 +196,22 @@ class BlockPool:
         ids = self._free[-num_blocks:]
         del self._free[-num_blocks:]
         ids.reverse()
-        if self._keyed is not None:
-            self._keyed.reset(ids)
         base = self.first_block_id
         if num_blocks <= _SCALAR_MAX:
             state, ref = self._state, self._refcount
+            hits = self._keyed.hits if self._keyed is not None else None
             for b in ids:
                 state[b - base] = ACTIVE
                 ref[b - base] = 1
+                if hits is not None:
+                    hits[b - base] = 0
         else:
             idx = np.array(ids, dtype=np.intp)
             idx -= base
             self._state[idx] = ACTIVE
             self._refcount[idx] = 1
+            if self._keyed is not None:
+                self._keyed.reset(idx)
         self._counts[FREE] -= num_blocks
         self._counts[ACTIVE] += num_blocks
         self.total_refs += num_blocks
@@ -238,9 +242,10 @@ class BlockPool:
         active = s == ACTIVE
         if not active.all():
             self._incref_leaving(idx, s, active)
+        repeats = len(idx) > 1 and not (_distinct(idx) if distinct is None else distinct)
         if hit and self._keyed is not None:
-            self._keyed.record_hits(ids.tolist())
-        if len(idx) > 1 and not (_distinct(idx) if distinct is None else distinct):
+            self._keyed.record_hits(idx, distinct=not repeats)
+        if repeats:
             np.add.at(self._refcount, idx, 1)
         else:
             self._refcount[idx] += 1
@@ -299,12 +304,13 @@ class BlockPool:
         if not n:
             return
         ref = self._refcount
-        idx = ids.astype(np.intp) - self.first_block_id
+        base = self.first_block_id
+        idx = ids - base if base else ids  # any int dtype indexes
         if n == 1 or (_distinct(idx) if distinct is None else distinct):
             left = ref[idx] - 1
             if left.min() < 0:
                 bad = int(idx[np.argmin(left)])
-                raise ValueError(f"decref of block {bad + self.first_block_id} with refcount 0 (double free)")
+                raise ValueError(f"decref of block {bad + base} with refcount 0 (double free)")
             ref[idx] = left
             zero = idx[left == 0]
         elif self.num_blocks <= _BINCOUNT_RATIO * n:
@@ -312,12 +318,12 @@ class BlockPool:
             # batch: count the drops per block over the whole pool (fewer numpy
             # calls than sorting; each call costs microseconds in a busy loop).
             drops = np.bincount(idx, minlength=self.num_blocks)
-            left = ref - drops
-            if left.min() < 0:
-                bad = int(np.argmin(left))
-                raise ValueError(f"decref of block {bad + self.first_block_id} with refcount 0 (double free)")
-            np.copyto(ref, left, casting="unsafe")
-            zero = idx[left[idx] == 0]  # every occurrence of a block that reached 0
+            np.subtract(ref, drops, out=ref, casting="unsafe")
+            if ref.min() < 0:
+                bad = int(np.argmin(ref))
+                np.add(ref, drops, out=ref, casting="unsafe")  # nothing applied
+                raise ValueError(f"decref of block {bad + base} with refcount 0 (double free)")
+            zero = idx[ref[idx] == 0]  # every occurrence of a block that reached 0
             if len(zero) > 1 and (drops[zero] > 1).any():  # keep each one's last occurrence, in order
                 latest_first = zero[::-1]
                 _, first = np.unique(latest_first, return_index=True)
@@ -357,7 +363,7 @@ class BlockPool:
             self._release(i)
 
     def _release_many(self, zero: np.ndarray) -> None:
-        """Blocks at offsets ``zero`` (in release order) lost their last reference."""
+        """Blocks at offsets ``zero`` (an int array, in release order) lost their last reference."""
         counts, base = self._counts, self.first_block_id
         counts[ACTIVE] -= len(zero)
         if self._copy_pins:
@@ -365,20 +371,27 @@ class BlockPool:
                 self._release(i)
             return
         published = self._published[zero]
-        self._state[zero] = np.where(published, CACHED, FREE)
-        ids = (zero + base).tolist()
-        cached_ids = list(compress(ids, published.tolist()))
-        if len(cached_ids) < len(ids):
-            freed_ids = list(compress(ids, (~published).tolist()))
+        pub = published.tolist()
+        ids = (zero + base).tolist() if base else zero.tolist()
+        if all(pub):  # the usual case: every released block is in the prefix cache
+            self._state[zero] = CACHED
+            cached_ids, offsets = ids, zero
+        else:
+            self._state[zero] = np.where(published, CACHED, FREE)
+            cached_ids = list(compress(ids, pub))
+            freed_ids = list(compress(ids, map(not_, pub)))
             counts[FREE] += len(freed_ids)
             self._free.extend(freed_ids)
             self.blocks_freed += len(freed_ids)
+            offsets = zero[published] if cached_ids else None
         if cached_ids:
             counts[CACHED] += len(cached_ids)
             if self._keyed is not None:  # a keyed order takes them in one call, in release order
-                self._keyed.extend(cached_ids)
+                self._keyed.extend(cached_ids, offsets)
             else:
-                self._lru.update(dict.fromkeys(cached_ids))
+                lru = self._lru
+                for b in cached_ids:
+                    lru[b] = None
 
     def mark_published(self, block_ids: Iterable[int]) -> None:
         """Record that these (referenced) blocks are now in the prefix cache."""

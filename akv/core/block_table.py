@@ -9,8 +9,9 @@ writes for every sequence (blocks held, tokens, tokens committed, whether the
 tail block may be shared), so a whole batch is updated with a few vectorized
 operations and no per-sequence Python work (the layout of vLLM v1's
 ``InputBatch``/``BlockTable``: ``vllm/v1/worker/block_table.py``). Rows are
-recycled through a free list and zeroed when released, so the padding past a
-row's length is always 0.
+recycled through a free list and zeroed when handed out again (one row at a
+time, at admission, rather than every freed row in the freeing step), so the
+padding past a live row's length is always 0; a free row's contents are stale.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class BlockTables:
             block of its own); a decode step checks the refcount only there.
     """
 
-    __slots__ = ("_free_rows", "_next_row", "array", "lens", "num_computed", "num_tokens", "shared_tail")
+    __slots__ = ("_cols", "_free_rows", "_next_row", "array", "lens", "num_computed", "num_tokens", "shared_tail")
 
     def __init__(self, rows: int = 64, cols: int = 64) -> None:
         self.array = np.zeros((rows, cols), dtype=np.int32)
@@ -46,11 +47,19 @@ class BlockTables:
         self.shared_tail = np.zeros(rows, dtype=bool)
         self._free_rows: list[int] = []
         self._next_row = 0
+        self._cols = np.arange(cols)  # column indices, for masks in release_many
 
     def new_row(self) -> BlockTableRow:
         """An empty row for a new sequence (all counters 0)."""
         if self._free_rows:
             row = self._free_rows.pop()
+            n = int(self.lens[row])  # stale contents of a released row (see release_many)
+            if n:
+                self.array[row, :n] = 0
+                self.lens[row] = 0
+            self.num_tokens[row] = 0
+            self.num_computed[row] = 0
+            self.shared_tail[row] = False
         else:
             row = self._next_row
             self._next_row += 1
@@ -59,24 +68,26 @@ class BlockTables:
         return BlockTableRow(self, row)
 
     def release_many(self, rows: list[int]) -> np.ndarray:
-        """Zero and recycle ``rows`` (distinct); return the block ids they held.
+        """Recycle ``rows`` (distinct, live); return the block ids they held.
+
+        The rows keep their stale contents until :meth:`new_row` hands them
+        out again and zeroes them (fewer array writes in a step that frees
+        many sequences).
 
         Returns:
             int32 ``(sum of the rows' lengths,)``: each row's block ids deepest
             (last) first, row after row in the given order: the order in which
             :meth:`~akv.core.block_pool.BlockPool.decref` should release them.
         """
-        r = np.array(rows, dtype=np.intp)
-        lens = self.lens[r]
-        width = int(lens.max()) if len(r) else 0
-        block = self.array[r, :width][:, ::-1]
-        held = np.arange(width)[::-1] < lens[:, None]
-        ids = block[held]
-        self.array[r, :width] = 0
-        self.lens[r] = 0
-        self.num_tokens[r] = 0
-        self.num_computed[r] = 0
-        self.shared_tail[r] = False
+        if len(rows) == 1:
+            (row,) = rows
+            ids = self.array[row, : self.lens[row]][::-1].copy()
+        else:
+            r = np.array(rows, dtype=np.intp)
+            lens = self.lens[r]
+            width = int(lens.max())
+            # Column j of the reversed row is column width-1-j: held iff j >= width - len.
+            ids = self.array[r, width - 1 :: -1][self._cols[:width] >= (width - lens)[:, None]] if width else np.zeros(0, dtype=np.int32)
         self._free_rows.extend(rows)
         return ids
 
@@ -98,6 +109,7 @@ class BlockTables:
         r, c = self.array.shape
         grown[:r, :c] = self.array
         self.array = grown
+        self._cols = np.arange(cols)
         if rows > r:
             for name in ("lens", "num_tokens", "num_computed", "shared_tail"):
                 old = getattr(self, name)

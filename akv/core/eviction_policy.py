@@ -38,6 +38,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import chain
 
+import numpy as np
+
 #: ``key(num_hits, last_release) -> tuple``; the smallest key is evicted first.
 KeyFunction = Callable[[int, int], tuple]
 
@@ -151,20 +153,22 @@ class HitCounts:
 
     def __init__(self, first_block_id: int, num_blocks: int) -> None:
         self.base = first_block_id
-        #: Prefix hits per block offset since its allocation.
-        self.hits = [0] * num_blocks
+        #: int64 ``(num_blocks,)``: prefix hits per block offset since its allocation.
+        self.hits = np.zeros(num_blocks, dtype=np.int64)
 
-    def record_hits(self, block_ids: Iterable[int]) -> None:
-        """Count one prefix hit on each block."""
-        base, hits = self.base, self.hits
-        for b in block_ids:
-            hits[b - base] += 1
+    def record_hits(self, offsets: np.ndarray, *, distinct: bool) -> None:
+        """Count one prefix hit on each block offset (``block_id - base``, an int array).
 
-    def reset(self, block_ids: Iterable[int]) -> None:
-        """Zero the statistics of freshly allocated blocks."""
-        base, hits = self.base, self.hits
-        for b in block_ids:
-            hits[b - base] = 0
+        ``distinct``: no offset repeats (one sequence's hits); else repeats count each.
+        """
+        if distinct:
+            self.hits[offsets] += 1
+        else:
+            np.add.at(self.hits, offsets, 1)
+
+    def reset(self, offsets) -> None:
+        """Zero the statistics of freshly allocated blocks (offsets: an int array or list)."""
+        self.hits[offsets] = 0
 
 
 class KeyedOrder(HitCounts):
@@ -212,13 +216,21 @@ class KeyedOrder(HitCounts):
         i = block_id - self.base
         tick = self._tick
         self._tick = tick + 1
-        entry = (_NORMAL, self._key(self.hits[i], tick), tick, block_id)
+        entry = (_NORMAL, self._key(int(self.hits[i]), tick), tick, block_id)
         self._push(i, entry)
 
-    def extend(self, block_ids: Iterable[int]) -> None:
-        """Blocks entered the cache now, in this order (``order[b] = None`` for each)."""
-        for b in block_ids:
-            self[b] = None
+    def extend(self, block_ids: list[int], offsets: np.ndarray | None = None) -> None:
+        """Blocks entered the cache now, in this order (``order[b] = None`` for each).
+
+        ``offsets``: ``block_ids - base`` as an int array, if the caller has it.
+        """
+        base, key, push = self.base, self._key, self._push
+        hits = self.hits[offsets if offsets is not None else np.array(block_ids, dtype=np.intp) - base].tolist()
+        tick = self._tick
+        for b, h in zip(block_ids, hits):
+            push(b - base, (_NORMAL, key(h, tick), tick, b))
+            tick += 1
+        self._tick = tick
 
     def __delitem__(self, block_id: int) -> None:
         """``block_id`` left the cache (a hit took a reference); its heap entry goes stale."""
@@ -295,9 +307,9 @@ class KeyedOrder(HitCounts):
                 f"eviction order holds {ids} (size {self._size}), cached blocks are {sorted(cached_ids)}"
             )
         for lane, key, tick, b in live:
-            if lane == _NORMAL and key != self._key(self.hits[b - self.base], tick):
+            if lane == _NORMAL and key != self._key(int(self.hits[b - self.base]), tick):
                 raise AssertionError(
-                    f"block {b}: eviction key {key} but the policy gives {self._key(self.hits[b - self.base], tick)}"
+                    f"block {b}: eviction key {key} but the policy gives {self._key(int(self.hits[b - self.base]), tick)}"
                 )
 
     # ------------------------------------------------------- internals
@@ -355,11 +367,15 @@ class SegmentedOrder(HitCounts):
         else:
             self._probation[block_id] = None
 
-    def extend(self, block_ids: Iterable[int]) -> None:
-        """Blocks entered the cache now, in this order: each at the tail of its segment."""
-        base, hits, protected, probation = self.base, self.hits, self._protected, self._probation
-        for b in block_ids:
-            if hits[b - base]:
+    def extend(self, block_ids: list[int], offsets: np.ndarray | None = None) -> None:
+        """Blocks entered the cache now, in this order: each at the tail of its segment.
+
+        ``offsets``: ``block_ids - base`` as an int array, if the caller has it.
+        """
+        hot = self.hits[offsets if offsets is not None else np.array(block_ids, dtype=np.intp) - self.base].tolist()
+        protected, probation = self._protected, self._probation
+        for b, h in zip(block_ids, hot):
+            if h:
                 protected[b] = None
             else:
                 probation[b] = None

@@ -29,7 +29,9 @@ class Sequence:
         num_prompt_tokens: Prompt length at admission (tokens).
         num_cached_tokens: Prompt tokens served from the prefix cache.
         parent_id: The sequence this one was forked from, or None.
-        prompt_keys: Radix-tree keys of the prompt's full blocks, computed once at admission.
+        prompt_keys: Radix-tree keys of the prompt's full blocks, computed
+            once at admission; emptied once every one of those blocks is
+            published (or publishing stopped), as nothing reads them then.
     """
 
     __slots__ = (
@@ -53,7 +55,7 @@ class Sequence:
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0
         self.parent_id: Hashable | None = None
-        self.prompt_keys: list[bytes] = []
+        self.prompt_keys: list[bytes] | tuple[bytes, ...] = []
 
     @property
     def row(self) -> int:

@@ -36,6 +36,7 @@ from akv.errors import DuplicateSequence, InvalidInput, PoolExhausted, RequestTo
 
 TreeOps = list
 TreeGen = Generator[TreeOps, list, object]
+_NO_KEYS: tuple[bytes, ...] = ()  # Sequence.prompt_keys once every prompt block is published
 
 
 def apply_tree_ops(tree: RadixTree, ops: TreeOps) -> list:
@@ -617,6 +618,10 @@ class ShardState:
             seq.num_published = start + done
             if done < len(ids):
                 seq.publish_stopped = True
+            if seq.prompt_keys and (seq.publish_stopped or seq.num_published >= len(seq.prompt_keys)):
+                # Every prompt block is published (or never will be): drop the keys
+                # now, while they are hot, rather than one object per block at free.
+                seq.prompt_keys = _NO_KEYS
         if marked:
             self.pool.mark_published(marked)
 
