@@ -305,7 +305,9 @@ class BlockPool:
             return
         ref = self._refcount
         base = self.first_block_id
-        idx = ids - base if base else ids  # any int dtype indexes
+        idx = ids.astype(np.intp, copy=False)  # numpy indexes 2-3x faster with intp than int32
+        if base:
+            idx = idx - base
         if n == 1 or (_distinct(idx) if distinct is None else distinct):
             left = ref[idx] - 1
             if left.min() < 0:

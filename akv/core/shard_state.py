@@ -218,6 +218,10 @@ class ShardState:
 
         if req.frees:
             self._free(req, out)
+            if not (req.commits or req.forks or req.appends or req.admits):  # a frees-only step
+                if req.want_metadata:
+                    self._fill_metadata(out, None, [])
+                return out
 
         ops: TreeOps = []
         publishing: list = []
@@ -386,6 +390,8 @@ class ShardState:
         Raises:
             UnknownSequence, DuplicateSequence, InvalidInput: As :meth:`step`.
         """
+        if not (req.commits or req.forks or req.appends or req.admits):
+            return Checked()  # frees only: unknown ids are no-ops
         seqs = self.sequences
         freed = {s for s in req.frees if s in seqs}
         checked = Checked()

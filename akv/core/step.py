@@ -36,9 +36,13 @@ class Admit:
     resumed: bool = False
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True)
 class StepRequest:
     """One scheduler step for one shard, applied in this order.
+
+    Not frozen (a frozen dataclass's ``__init__`` costs 3x more, on every
+    step), but never changed once built: the manager builds it and the shard
+    only reads it.
 
     1. ``frees``: release sequences (unknown ids are a no-op: free is idempotent);
        those also in ``preempted`` are counted as preemptions.
