@@ -13,7 +13,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from akv.core import block_pool
 from akv.core.block_pool import ACTIVE, CACHED, FREE, IN_FLIGHT, BlockPool
 
 BASE = 10
@@ -138,12 +137,11 @@ def test_batched_decref_of_sequences_sharing_blocks(pool: BlockPool) -> None:
     pool.check()
 
 
-@pytest.mark.parametrize("ratio", [block_pool._BINCOUNT_RATIO, 0])
-def test_batched_double_decref_applies_nothing(pool: BlockPool, monkeypatch, ratio: int) -> None:
-    monkeypatch.setattr(block_pool, "_BINCOUNT_RATIO", ratio)
+@pytest.mark.parametrize("distinct", [None, False])
+def test_batched_double_decref_applies_nothing(pool: BlockPool, distinct: bool | None) -> None:
     a = pool.allocate(2)
     with pytest.raises(ValueError, match=r"decref of block 11 with refcount 0 \(double free\)"):
-        pool.decref([11, 10, 11])
+        pool.decref([11, 10, 11], distinct=distinct)
     assert [pool.refcount(b) for b in a] == [1, 1]
     assert pool.counts() == counts(free=6, active=2)
     assert pool.total_refs == 2
@@ -164,8 +162,8 @@ def test_rejected_incref_applies_nothing(pool: BlockPool) -> None:
 def test_batched_decref_equals_one_call_per_sequence(data: st.DataObject) -> None:
     """One decref over several sequences' blocks leaves exactly the state of one call per sequence."""
     policy = data.draw(st.sampled_from(["lru", "slru", "lfu"]))
-    # Both ways of counting the drops of shared blocks: over the pool, or by sorting the batch.
-    ratio = data.draw(st.sampled_from([block_pool._BINCOUNT_RATIO, 0]), label="bincount ratio")
+    # The general path (told the batch may repeat blocks) or the checked one (None: it looks).
+    distinct = data.draw(st.sampled_from([False, None]), label="distinct")
     pools = [BlockPool(range(BASE, BASE + N), policy=policy) for _ in range(2)]
     ids = pools[0].allocate(N)
     pools[1].allocate(N)
@@ -176,11 +174,7 @@ def test_batched_decref_equals_one_call_per_sequence(data: st.DataObject) -> Non
         for seq in seqs:  # each sequence holds one reference to each of its blocks
             p.incref(seq)
         p.decref(ids)  # drop the allocation's references
-    saved, block_pool._BINCOUNT_RATIO = block_pool._BINCOUNT_RATIO, ratio
-    try:
-        pools[0].decref([b for seq in seqs for b in reversed(seq)], distinct=False)
-    finally:
-        block_pool._BINCOUNT_RATIO = saved
+    pools[0].decref([b for seq in seqs for b in reversed(seq)], distinct=distinct)
     for seq in seqs:
         pools[1].decref(list(reversed(seq)))
     a, b = pools

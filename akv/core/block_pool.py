@@ -315,42 +315,25 @@ class BlockPool:
                 raise ValueError(f"decref of block {bad + base} with refcount 0 (double free)")
             ref[idx] = left
             zero = idx[left == 0]
-        elif self.num_blocks <= _BINCOUNT_RATIO * n:
-            # Several sequences share blocks, and the pool is small next to the
-            # batch: count the drops per block over the whole pool (fewer numpy
-            # calls than sorting; each call costs microseconds in a busy loop).
-            drops = np.bincount(idx, minlength=self.num_blocks)
-            np.subtract(ref, drops, out=ref, casting="unsafe")
-            if ref.min() < 0:
-                bad = int(np.argmin(ref))
-                np.add(ref, drops, out=ref, casting="unsafe")  # nothing applied
-                raise ValueError(f"decref of block {bad + base} with refcount 0 (double free)")
-            zero = idx[ref[idx] == 0]  # every occurrence of a block that reached 0
-            if len(zero) > 1 and (drops[zero] > 1).any():  # keep each one's last occurrence, in order
-                latest_first = zero[::-1]
-                _, first = np.unique(latest_first, return_index=True)
-                zero = latest_first[np.sort(first)][::-1]
+            zl = zero.tolist()
         else:
-            # Several sequences share blocks: count each block's drops, and order
-            # the blocks that reach 0 by their last occurrence.
-            order = np.argsort(idx, kind="stable")
-            sorted_idx = idx[order]
-            first = np.empty(n, dtype=bool)
-            first[0] = True
-            np.not_equal(sorted_idx[1:], sorted_idx[:-1], out=first[1:])
-            starts = np.flatnonzero(first)
-            ends = np.append(starts[1:], n)
-            uniq = sorted_idx[starts]
-            left = ref[uniq] - (ends - starts)
-            if left.min() < 0:
-                bad = int(uniq[np.argmin(left)])
-                raise ValueError(f"decref of block {bad + self.first_block_id} with refcount 0 (double free)")
-            ref[uniq] = left
-            reached = left == 0
-            zero = uniq[reached][np.argsort(order[ends[reached] - 1])]
+            # Several sequences share blocks: drop every occurrence in place with
+            # one unbuffered ufunc.at (NumPy >= 1.25 fast-paths it), check, and
+            # take each block that reached 0 at its last occurrence (below).
+            np.subtract.at(ref, idx, _ONE)
+            after = ref[idx]
+            if after.min() < 0:
+                bad = int(idx[np.argmin(after)])
+                np.add.at(ref, idx, _ONE)  # nothing applied
+                raise ValueError(f"decref of block {bad + base} with refcount 0 (double free)")
+            zero = idx[after == 0]  # every occurrence of a block that reached 0
+            zl = zero.tolist()
+            if len(zl) > 1 and len(set(zl)) < len(zl):  # a block freed by two sequences: keep its last occurrence
+                zl = list(dict.fromkeys(reversed(zl)))[::-1]
+                zero = np.array(zl, dtype=np.intp)
         self.total_refs -= n
-        if len(zero):
-            self._release_many(zero)
+        if zl:
+            self._release_many(zero, zl)
 
     def _decref_one(self, b: int) -> None:
         """:meth:`decref` of one block, without numpy's per-call overhead."""
@@ -364,17 +347,18 @@ class BlockPool:
             self._counts[ACTIVE] -= 1
             self._release(i)
 
-    def _release_many(self, zero: np.ndarray) -> None:
-        """Blocks at offsets ``zero`` (an int array, in release order) lost their last reference."""
+    def _release_many(self, zero: np.ndarray, offsets: list[int]) -> None:
+        """Blocks at offsets ``zero`` (an intp array, distinct, in release order;
+        ``offsets`` is the same as Python ints) lost their last reference."""
         counts, base = self._counts, self.first_block_id
-        counts[ACTIVE] -= len(zero)
+        counts[ACTIVE] -= len(offsets)
         if self._copy_pins:
-            for i in zero.tolist():
+            for i in offsets:
                 self._release(i)
             return
         published = self._published[zero]
         pub = published.tolist()
-        ids = (zero + base).tolist() if base else zero.tolist()
+        ids = [i + base for i in offsets] if base else offsets
         if all(pub):  # the usual case: every released block is in the prefix cache
             self._state[zero] = CACHED
             cached_ids, offsets = ids, zero
@@ -560,9 +544,7 @@ class BlockPool:
 _SCALAR_MAX = 4
 
 
-#: A batched :meth:`BlockPool.decref` with shared blocks counts the drops over the whole pool
-#: (``np.bincount``) while the pool has at most this many blocks per id in the batch, else sorts.
-_BINCOUNT_RATIO = 64
+_ONE = np.int32(1)  # the refcounts' dtype, so that ufunc.at takes its fast path
 
 
 def _distinct(idx: np.ndarray) -> bool:
