@@ -79,9 +79,13 @@ class BlockTables:
             (last) first, row after row in the given order: the order in which
             :meth:`~akv.core.block_pool.BlockPool.decref` should release them.
         """
-        if len(rows) == 1:
-            (row,) = rows
-            ids = self.array[row, : self.lens[row]][::-1].copy()
+        if len(rows) <= _SLICED_ROWS_MAX:
+            # A reversed slice per row and one concatenate: fewer numpy calls
+            # than the masked gather below for a step's few finished sequences
+            # (13 rows: 39 -> 33 us per call, paired, in the peer harness).
+            arr = self.array
+            lens = self.lens[rows].tolist()
+            ids = np.concatenate([arr[row, n - 1 :: -1] if n else arr[row, :0] for row, n in zip(rows, lens)])
         else:
             r = np.array(rows, dtype=np.intp)
             lens = self.lens[r]
@@ -179,3 +183,8 @@ class BlockTableRow:
         owner.lens[dst] = n
         owner.num_tokens[dst] = owner.num_tokens[src]
         owner.num_computed[dst] = owner.num_computed[src]
+
+
+#: Up to this many rows, :meth:`BlockTables.release_many` slices row by row
+#: (per-row Python beats a fixed set of numpy calls on a few rows).
+_SLICED_ROWS_MAX = 32

@@ -1,0 +1,64 @@
+"""BlockTables: released rows give their blocks deepest first and come back zeroed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from akv.core import block_table
+from akv.core.block_table import BlockTables
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    rows=st.lists(st.lists(st.integers(1, 10_000), max_size=40), min_size=1, max_size=40),
+    data=st.data(),
+    sliced_max=st.sampled_from([0, block_table._SLICED_ROWS_MAX]),
+)
+def test_release_many_returns_each_row_deepest_first(rows, data, sliced_max: int) -> None:
+    saved, block_table._SLICED_ROWS_MAX = block_table._SLICED_ROWS_MAX, sliced_max
+    try:
+        tables = BlockTables(rows=2, cols=2)  # small, so that rows and columns grow
+        handles = []
+        for blocks in rows:
+            row = tables.new_row()
+            row.extend(blocks)
+            handles.append(row)
+        chosen = data.draw(st.lists(st.sampled_from(range(len(rows))), min_size=1, unique=True), label="freed")
+        ids = tables.release_many([handles[i].row for i in chosen])
+    finally:
+        block_table._SLICED_ROWS_MAX = saved
+    assert ids.dtype == np.int32
+    assert ids.tolist() == [b for i in chosen for b in reversed(rows[i])]
+    # A recycled row starts empty: no stale blocks or counters.
+    for _ in chosen:
+        row = tables.new_row()
+        assert len(row) == 0 and row.tolist() == []
+        assert not tables.array[row.row].any()
+        assert tables.num_tokens[row.row] == tables.num_computed[row.row] == 0
+        assert not tables.shared_tail[row.row]
+
+
+def test_recycled_row_counters_are_zeroed() -> None:
+    tables = BlockTables()
+    row = tables.new_row()
+    row.extend([5, 6, 7])
+    tables.num_tokens[row.row] = 40
+    tables.num_computed[row.row] = 33
+    tables.shared_tail[row.row] = True
+    assert tables.release_many([row.row]).tolist() == [7, 6, 5]
+    again = tables.new_row()
+    assert again.row == row.row
+    assert (len(again), tables.num_tokens[again.row], tables.num_computed[again.row]) == (0, 0, 0)
+    assert not tables.shared_tail[again.row]
+    assert not tables.array[again.row].any()
+
+
+@pytest.mark.parametrize("sliced_max", [0, 32])
+def test_release_many_of_empty_rows(monkeypatch, sliced_max: int) -> None:
+    monkeypatch.setattr(block_table, "_SLICED_ROWS_MAX", sliced_max)
+    tables = BlockTables()
+    a, b = tables.new_row(), tables.new_row()
+    assert tables.release_many([a.row, b.row]).tolist() == []
