@@ -275,3 +275,30 @@ async def test_shard_crash_fails_the_manager_on_either_path(direct: bool) -> Non
             with pytest.raises(ActorCrashed):
                 await kv.step(want_metadata=False)
     assert kv._phase == "failed"
+
+
+@both_backends
+@pytest.mark.anyio
+async def test_checkpoint_function_yields_and_is_cancellable(anyio_backend: str) -> None:
+    """The resolved checkpoint lets another task run and raises a pending cancellation."""
+    from akv.actors.runtime import checkpoint_function, current_event_loop
+
+    assert current_event_loop() == anyio_backend
+    checkpoint = checkpoint_function()
+    ran = []
+
+    async def other() -> None:
+        ran.append(True)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other)
+        for _ in range(10):  # a checkpoint that never yields would never let it run
+            await checkpoint()
+            if ran:
+                break
+        assert ran == [True]
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await checkpoint()
+        pytest.fail("a cancelled scope's checkpoint returned")
+    assert scope.cancelled_caught

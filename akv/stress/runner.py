@@ -20,15 +20,14 @@ task must get an error within ``hang_timeout_s``, ``__aexit__`` must raise
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from typing import Any
 
 import anyio
-import sniffio
 import structlog
 
+from akv.actors.runtime import current_event_loop
 from akv.config import MODEL_SHAPES, KVCacheConfig
 from akv.errors import ActorCrashed
 from akv.manager import KVCacheManager
@@ -57,10 +56,7 @@ def stress_config(options: StressOptions) -> KVCacheConfig:
 
 def current_backend() -> str:
     """``asyncio``, ``uvloop`` or ``trio``: the event loop this coroutine runs on."""
-    lib = sniffio.current_async_library()
-    if lib == "asyncio" and type(asyncio.get_running_loop()).__module__.startswith("uvloop"):
-        return "uvloop"
-    return lib
+    return current_event_loop()
 
 
 async def _final_check(kv: KVCacheManager, out: Outcome) -> None:
