@@ -82,9 +82,10 @@ class EvictionLoop:
 
     async def run(self) -> None:
         """Serve wake-ups until :meth:`stop`."""
+        event_type = type(self._wake)  # the backend's own Event: anyio.Event() looks the backend up per call
         while not self._stopping:
             await self._wake.wait()
-            self._wake = anyio.Event()
+            self._wake = event_type()
             if self._stopping:
                 break
             self.stats.wakeups += 1
