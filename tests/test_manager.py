@@ -409,6 +409,51 @@ async def test_on_demand_eviction_takes_least_recently_released_deepest_first(ti
         await kv.check()
 
 
+async def _decode_under_pressure(config, single: bool) -> tuple:
+    """A pool full of cached blocks, then one decode step whose 8 rows each start a block."""
+    async with KVCacheManager(config) as kv:
+        for i in range(8):  # fillers: 16 cached blocks, released oldest first
+            await publish(kv, f"f{i}", list(range(500 + 8 * i, 508 + 8 * i)))
+        decoders = [f"d{i}" for i in range(8)]  # 16 referenced blocks: the pool is full
+        await kv.step(admits=[Admit(seq_id=d, prompt=list(range(8 * i, 8 * i + 8)), prefill_done=True) for i, d in enumerate(decoders)])
+        assert (await kv.stats()).free == 0
+        appends = {d: (900 + i if single else [900 + i]) for i, d in enumerate(decoders)}
+        result = await kv.step(appends=appends)
+        await kv.check()
+        stats = await kv.stats()
+        infos = [await kv.sequence(d) for d in decoders]
+        fillers = [await kv.lookup(list(range(500 + 8 * i, 508 + 8 * i)) + [0]) for i in range(8)]
+        tables = result.block_tables.tolist()
+        return (
+            result.evicted_blocks,
+            {k: type(v) for k, v in result.rejected.items()},
+            [row[:2] for row in tables],  # the prompt blocks; which freed block a row gets may differ
+            sorted(row[2] for row in tables),
+            sorted(result.slot_mapping.tolist()),
+            (stats.free, stats.active, stats.cached, stats.blocks_evicted),
+            [(i.block_ids[:2], i.token_ids) for i in infos],
+            fillers,
+        )
+
+
+@pytest.mark.parametrize("num_blocks", [32, 20])
+async def test_decode_batch_under_pressure_evicts_exactly_what_one_sequence_at_a_time_would(tiny_config, num_blocks) -> None:
+    """A decode batch short of free blocks evicts the shortfall in one pass and ends exactly as the per-sequence path.
+
+    One-int appends take the vectorized path; one-element lists take the
+    general path, which evicts (or rejects) one sequence at a time. With 20
+    blocks only 4 filler blocks stay cached, so 4 rows cannot get a block.
+    """
+    vectorized = await _decode_under_pressure(tiny_config(num_blocks=num_blocks), single=True)
+    general = await _decode_under_pressure(tiny_config(num_blocks=num_blocks), single=False)
+    assert vectorized == general
+    if num_blocks == 32:
+        assert vectorized[0] == 8  # exactly the 8 new blocks' worth, oldest fillers first
+        assert vectorized[7] == [0, 0, 0, 0, 8, 8, 8, 8]
+    else:
+        assert (vectorized[0], len(vectorized[1])) == (4, 4)
+
+
 async def test_prefix_hit_refreshes_recency(tiny_config) -> None:
     async with KVCacheManager(tiny_config(num_blocks=8)) as kv:
         a, b = list(range(9)), list(range(100, 109))

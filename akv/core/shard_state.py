@@ -158,6 +158,8 @@ class ShardState:
         #: int32 ``(num_blocks, block_size)``: the token ids whose K/V each block holds.
         self.block_tokens = np.zeros((len(block_ids), block_size), dtype=np.int32)
         self._flat_tokens = self.block_tokens.reshape(-1)
+        #: Blocks a decode batch lacked when :meth:`_decode` last returned None.
+        self._decode_shortfall = 0
         self._first_slot = block_ids.start * block_size
         self.counters = ShardCounters()
         #: Block-table references held by live sequences (equals pool.total_refs).
@@ -264,6 +266,15 @@ class ShardState:
 
         # Scheduled rows, in metadata order: (seq ids, rows, first new position, new tokens).
         decoded = self._decode(req.appends, out) if checked.single_appends else None
+        if decoded is None and checked.single_appends:
+            # The batch's new blocks do not fit in the free blocks: evict the
+            # shortfall in one pass (instead of per sequence on the general
+            # path below) and take the vectorized path after all.
+            short = self._decode_shortfall
+            evictable = pool.num_cached - sum(1 for b in protected if pool.state(b) == CACHED)
+            if short <= evictable:
+                out.evicted_blocks += yield from self._evict(short, protected)
+                decoded = self._decode(req.appends, out)
         sched_ids: list = []
         sched: list[tuple[int, int, int]] = []
         if req.appends and decoded is None:
@@ -516,8 +527,9 @@ class ShardState:
 
         Returns ``(seq_ids, rows, positions, slots)`` (int arrays of shape
         ``(batch,)``), or None without changing anything when the batch's new
-        blocks and copies do not fit in the free blocks (the general path then
-        evicts or rejects).
+        blocks and copies do not fit in the free blocks (the shortfall is left
+        in ``_decode_shortfall``; the step then evicts it in one pass, or the
+        general path evicts or rejects per sequence).
         """
         values = appends.values()
         bs, pool, tables = self.block_size, self.pool, self.tables
@@ -529,7 +541,10 @@ class ShardState:
         maybe_shared = np.flatnonzero(tables.shared_tail[rows] & ~new_block).tolist()
         num_new = int(np.count_nonzero(new_block))
         if num_new + len(maybe_shared) > pool.num_free:  # at most one copy per flagged row
-            return None
+            copies = sum(1 for i in maybe_shared if pool.refcount(int(tables.array[rows[i], tables.lens[rows[i]] - 1])) > 1)
+            if num_new + copies > pool.num_free:
+                self._decode_shortfall = num_new + copies - pool.num_free
+                return None
         for i in maybe_shared:  # in order: the last holder of a shared tail writes in place
             r = int(rows[i])
             if pool.refcount(int(tables.array[r, tables.lens[r] - 1])) > 1:
