@@ -422,7 +422,7 @@ async def _decode_under_pressure(config, single: bool) -> tuple:
         await kv.check()
         stats = await kv.stats()
         infos = [await kv.sequence(d) for d in decoders]
-        fillers = [await kv.lookup(list(range(500 + 8 * i, 508 + 8 * i)) + [0]) for i in range(8)]
+        fillers = [await kv.lookup([*range(500 + 8 * i, 508 + 8 * i), 0]) for i in range(8)]
         tables = result.block_tables.tolist()
         return (
             result.evicted_blocks,
@@ -452,6 +452,28 @@ async def test_decode_batch_under_pressure_evicts_exactly_what_one_sequence_at_a
         assert vectorized[7] == [0, 0, 0, 0, 8, 8, 8, 8]
     else:
         assert (vectorized[0], len(vectorized[1])) == (4, 4)
+
+
+async def test_decode_batch_copying_a_shared_tail_evicts_nothing_when_the_copies_fit(tiny_config) -> None:
+    """A tail held by 3 rows of one decode batch is copied twice (the last holder writes in place).
+
+    With exactly 2 free blocks the batch fits: no cached block may be evicted
+    (counting one copy per holder would evict one).
+    """
+    async with KVCacheManager(tiny_config(num_blocks=6)) as kv:
+        await publish(kv, "filler", list(range(500, 508)))  # 2 cached blocks
+        await kv.step(admits=[Admit(seq_id="p", prompt=list(range(6)), prefill_done=True)])  # 2 blocks, tail partial
+        await kv.fork("p", ["c1", "c2"])
+        assert (await kv.stats()).free == 2
+        result = await kv.step(appends={"p": 7, "c1": 8, "c2": 9})
+        await kv.wait_copies()
+        assert (result.evicted_blocks, result.rejected) == (0, {})
+        assert len(result.copies.tickets) == 1 and result.copies.tickets[0].num_blocks == 2
+        stats = await kv.stats()
+        assert (stats.free, stats.cached) == (0, 2)
+        for sid, tok in (("p", 7), ("c1", 8), ("c2", 9)):
+            assert (await kv.sequence(sid)).token_ids == (0, 1, 2, 3, 4, 5, tok)
+        await kv.check()
 
 
 async def test_prefix_hit_refreshes_recency(tiny_config) -> None:

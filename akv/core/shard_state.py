@@ -541,7 +541,14 @@ class ShardState:
         maybe_shared = np.flatnonzero(tables.shared_tail[rows] & ~new_block).tolist()
         num_new = int(np.count_nonzero(new_block))
         if num_new + len(maybe_shared) > pool.num_free:  # at most one copy per flagged row
-            copies = sum(1 for i in maybe_shared if pool.refcount(int(tables.array[rows[i], tables.lens[rows[i]] - 1])) > 1)
+            # Exact copies: rows copy in order while their tail is still shared,
+            # so a tail held R times by k rows of the batch is copied min(k, R - 1) times.
+            holders: dict[int, int] = {}
+            for i in maybe_shared:
+                r = int(rows[i])
+                b = int(tables.array[r, tables.lens[r] - 1])
+                holders[b] = holders.get(b, 0) + 1
+            copies = sum(min(k, pool.refcount(b) - 1) for b, k in holders.items())
             if num_new + copies > pool.num_free:
                 self._decode_shortfall = num_new + copies - pool.num_free
                 return None
