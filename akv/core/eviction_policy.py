@@ -218,16 +218,12 @@ class KeyedOrder(HitCounts):
         entry = (_NORMAL, self._key(int(self.hits[i]), tick), tick, block_id)
         self._push(i, entry)
 
-    def extend(self, block_ids: list[int], offsets: np.ndarray | None = None) -> None:
-        """Blocks entered the cache now, in this order (``order[b] = None`` for each).
-
-        ``offsets``: ``block_ids - base`` as an int array, if the caller has it.
-        """
-        base, key, push = self.base, self._key, self._push
-        hits = self.hits[offsets if offsets is not None else np.array(block_ids, dtype=np.intp) - base].tolist()
+    def extend(self, block_ids: list[int]) -> None:
+        """Blocks entered the cache now, in this order (``order[b] = None`` for each)."""
+        base, key, push, hits = self.base, self._key, self._push, memoryview(self.hits)
         tick = self._tick
-        for b, h in zip(block_ids, hits):
-            push(b - base, (_NORMAL, key(h, tick), tick, b))
+        for b in block_ids:
+            push(b - base, (_NORMAL, key(hits[b - base], tick), tick, b))
             tick += 1
         self._tick = tick
 
@@ -363,6 +359,15 @@ class SegmentedOrder(HitCounts):
     def __len__(self) -> int:
         return len(self._probation) + len(self._protected) + len(self._deferred)
 
+    def segments(self) -> tuple[dict[int, None], dict[int, None]]:
+        """The probationary and protected segments themselves (block id -> None, oldest first).
+
+        For :class:`~akv.core.block_pool.BlockPool`'s release loop, which puts
+        each released block at the tail of its segment (``hits[b - base]``
+        nonzero: protected) in the same pass that updates the block's state.
+        """
+        return self._probation, self._protected
+
     def __contains__(self, block_id: int) -> bool:
         return block_id in self._probation or block_id in self._protected or block_id in self._deferred
 
@@ -373,15 +378,11 @@ class SegmentedOrder(HitCounts):
         else:
             self._probation[block_id] = None
 
-    def extend(self, block_ids: list[int], offsets: np.ndarray | None = None) -> None:
-        """Blocks entered the cache now, in this order: each at the tail of its segment.
-
-        ``offsets``: ``block_ids - base`` as an int array, if the caller has it.
-        """
-        hot = self.hits[offsets if offsets is not None else np.array(block_ids, dtype=np.intp) - self.base].tolist()
-        protected, probation = self._protected, self._probation
-        for b, h in zip(block_ids, hot):
-            if h:
+    def extend(self, block_ids: list[int]) -> None:
+        """Blocks entered the cache now, in this order: each at the tail of its segment."""
+        base, hits, protected, probation = self.base, memoryview(self.hits), self._protected, self._probation
+        for b in block_ids:
+            if hits[b - base]:
                 protected[b] = None
             else:
                 probation[b] = None
