@@ -642,6 +642,7 @@ class KVCacheManager:
             ManagerClosed, ActorCrashed: The manager is not running (its
                 sequences are gone with it).
         """
+        _check_id(seq_id, "seq_id of free()")
         with self._tracer.span("akv.free", attributes={"akv.seq_id": str(seq_id)}), anyio.CancelScope(shield=True):
             if preempted:
                 result = await self.step(preempted=(seq_id,), want_metadata=False)

@@ -216,3 +216,11 @@ def test_generate_without_check_prints_the_paged_outputs() -> None:
     code, text = run_generate("--steps", "3", "--samples", "2", "--beam-width", "2")
     assert code == 0
     assert "greedy" in text and "beam 1" in text and "sample 1" in text
+
+
+@pytest.mark.parametrize("argv", [("--block-size", "1", "--steps", "4"), ("--block-size", "3", "--steps", "1")])
+def test_generate_check_needs_no_copy_when_forks_share_only_whole_blocks(argv: tuple[str, ...]) -> None:
+    """A 21-token prompt fills whole blocks of 1 or 3 tokens: beam search forks it without any copy-on-write."""
+    code, text = run_generate("--check", "--seed", "2", *argv)
+    assert code == 0, text
+    assert "all 4 checks match" in text

@@ -381,3 +381,10 @@ async def test_non_bool_want_metadata_and_huge_metadata_pool_are_invalid_input(t
             pass
     with pytest.raises(InvalidInput, match="num_blocks must be a positive int"):
         tiny_config(num_blocks=0)
+
+
+async def test_free_of_an_unhashable_id_names_free_s_argument(tiny_config) -> None:
+    async with KVCacheManager(tiny_config()) as kv:
+        with pytest.raises(InvalidInput, match=r"seq_id of free\(\) must be hashable"):
+            await kv.free(["x"])
+        await kv.check()

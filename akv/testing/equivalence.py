@@ -215,8 +215,12 @@ async def run_equivalence_checks(
                 max_abs_diff=diff,
                 diff_of="scores",
                 tolerance=tolerance,
-                cache_ok=stats.cow_copies > 0,
-                cache_note=f"{stats.forks} forks, {stats.cow_copies} CoW copies",
+                # The first step forks the prompt's sequence: its shared tail must be
+                # copied before the first write iff it is a partial block; with a
+                # prompt of whole blocks, later steps may need no copy at all.
+                cache_ok=stats.forks > 0 and (stats.cow_copies > 0 or len(a) % block_size == 0),
+                cache_note=f"{stats.forks} forks, {stats.cow_copies} CoW copies"
+                + ("" if len(a) % block_size else " (prompt of whole blocks: a copy is not required)"),
                 leak_free=leak_ok,
             )
         )
