@@ -95,6 +95,10 @@ class BlockTables:
         self._free_rows.extend(rows)
         return ids
 
+    def last_block(self, row: int) -> int:
+        """The last block id of ``row`` (which must hold at least one)."""
+        return int(self.array[row, self.lens[row] - 1])
+
     def gather(self, rows: np.ndarray, width: int) -> np.ndarray:
         """Padded block tables of ``rows``: int32 ``(len(rows), width)``, a new array."""
         if width > self.array.shape[1]:
@@ -149,10 +153,9 @@ class BlockTableRow:
 
     def last(self) -> int:
         """The last block id. Raises IndexError when empty."""
-        n = self.owner.lens[self.row]
-        if not n:
+        if not self.owner.lens[self.row]:
             raise IndexError("empty block table")
-        return int(self.owner.array[self.row, n - 1])
+        return self.owner.last_block(self.row)
 
     def __getitem__(self, i: int) -> int:
         if not 0 <= i < self.owner.lens[self.row]:

@@ -220,7 +220,7 @@ class ShardState:
 
         if req.frees:
             self._free(req, out)
-            if not (req.commits or req.forks or req.appends or req.admits):  # a frees-only step
+            if req.frees_only:
                 if req.want_metadata:
                     self._fill_metadata(out, None, [])
                 return out
@@ -271,8 +271,7 @@ class ShardState:
             # shortfall in one pass (instead of per sequence on the general
             # path below) and take the vectorized path after all.
             short = self._decode_shortfall
-            evictable = pool.num_cached - sum(1 for b in protected if pool.state(b) == CACHED)
-            if short <= evictable:
+            if short <= self._evictable(protected):
                 out.evicted_blocks += yield from self._evict(short, protected)
                 decoded = self._decode(req.appends, out)
         sched_ids: list = []
@@ -401,8 +400,8 @@ class ShardState:
         Raises:
             UnknownSequence, DuplicateSequence, InvalidInput: As :meth:`step`.
         """
-        if not (req.commits or req.forks or req.appends or req.admits):
-            return Checked()  # frees only: unknown ids are no-ops
+        if req.frees_only:
+            return Checked()  # unknown ids are no-ops
         seqs = self.sequences
         freed = {s for s in req.frees if s in seqs}
         checked = Checked()
@@ -545,8 +544,7 @@ class ShardState:
             # so a tail held R times by k rows of the batch is copied min(k, R - 1) times.
             holders: dict[int, int] = {}
             for i in maybe_shared:
-                r = int(rows[i])
-                b = int(tables.array[r, tables.lens[r] - 1])
+                b = tables.last_block(int(rows[i]))
                 holders[b] = holders.get(b, 0) + 1
             copies = sum(min(k, pool.refcount(b) - 1) for b, k in holders.items())
             if num_new + copies > pool.num_free:
@@ -554,7 +552,7 @@ class ShardState:
                 return None
         for i in maybe_shared:  # in order: the last holder of a shared tail writes in place
             r = int(rows[i])
-            if pool.refcount(int(tables.array[r, tables.lens[r] - 1])) > 1:
+            if pool.refcount(tables.last_block(r)) > 1:
                 self._copy_on_write(ids[i], r, out)
         if num_new:
             grow = rows[new_block]
@@ -653,6 +651,11 @@ class ShardState:
         if marked:
             self.pool.mark_published(marked)
 
+    def _evictable(self, protected: dict[int, int]) -> int:
+        """Cached blocks eviction may take now (the ``protected`` prefix hits excluded)."""
+        pool = self.pool
+        return pool.num_cached - sum(1 for b in protected if pool.state(b) == CACHED)
+
     def _make_room(self, need: int, total: int, protected: dict[int, int], out: StepOutcome) -> TreeGen:
         """Ensure ``need`` free blocks, evicting if needed; return an error instead if impossible.
 
@@ -664,7 +667,7 @@ class ShardState:
             return RequestTooLarge(total, pool.num_blocks)
         if need <= pool.num_free:
             return None
-        evictable = pool.num_cached - sum(1 for b in protected if pool.state(b) == CACHED)
+        evictable = self._evictable(protected)
         if need > pool.num_free + evictable:
             self.counters.pool_exhausted += 1
             return PoolExhausted(need, pool.num_free, evictable)

@@ -74,6 +74,11 @@ class StepRequest:
     admits: Sequence[Admit] = ()
     want_metadata: bool = True
 
+    @property
+    def frees_only(self) -> bool:
+        """Nothing but frees (a serving stack's end-of-request step)."""
+        return not (self.commits or self.forks or self.appends or self.admits)
+
 
 @dataclass(kw_only=True, slots=True)
 class StepOutcome:
