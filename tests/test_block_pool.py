@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -148,13 +149,40 @@ def test_batched_double_decref_applies_nothing(pool: BlockPool, distinct: bool |
     pool.check()
 
 
-def test_rejected_incref_applies_nothing(pool: BlockPool) -> None:
+@pytest.mark.parametrize("policy", ["lru", "slru"])
+@pytest.mark.parametrize("distinct", [None, True])  # the numpy path, and the loop for distinct lists
+def test_rejected_incref_applies_nothing(distinct: bool | None, policy: str) -> None:
+    pool = BlockPool(range(10, 18), policy=policy)
     (a,) = pool.allocate(1)
+    cached = pool.allocate(1)
+    pool.mark_published(cached)
+    pool.decref(cached)  # a cached block, which a valid incref would take out of the eviction order
     with pytest.raises(ValueError, match="incref of block 12 in state free"):
-        pool.incref([a, 12])
-    assert pool.refcount(a) == 1
+        pool.incref([a, *cached, 12], hit=True, distinct=distinct)
+    assert pool.refcount(a) == 1 and pool.refcount(cached[0]) == 0
     assert pool.total_refs == 1
+    assert pool.eviction_order() == cached and pool.num_hits(cached[0]) == 0
     pool.check()
+
+
+@pytest.mark.parametrize("policy", ["lru", "slru", "lfu"])
+def test_incref_loop_equals_the_numpy_path(policy: str) -> None:
+    """A distinct list of blocks (an admission's hits) takes the Python loop; an array the numpy path."""
+    pools = [BlockPool(range(10, 30), policy=policy) for _ in range(2)]
+    for p in pools:
+        ids = p.allocate(12)
+        p.mark_published(ids[:8])
+        p.decref(ids[:8])  # 8 cached, 4 active
+    hits = [13, 10, 20, 11, 17]  # cached and active blocks mixed
+    pools[0].incref(hits, hit=True, distinct=True)
+    pools[1].incref(np.array(hits), hit=True, distinct=True)
+    a, b = pools
+    assert [a.refcount(x) for x in range(10, 30)] == [b.refcount(x) for x in range(10, 30)]
+    assert [a.state(x) for x in range(10, 30)] == [b.state(x) for x in range(10, 30)]
+    assert [a.num_hits(x) for x in range(10, 30)] == [b.num_hits(x) for x in range(10, 30)]
+    assert a.eviction_order() == b.eviction_order() and a.counts() == b.counts() and a.total_refs == b.total_refs
+    a.check()
+    b.check()
 
 
 @settings(max_examples=200, deadline=None)
