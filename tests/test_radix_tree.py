@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from akv.core.radix_tree import RadixTree, block_keys
 
@@ -183,3 +185,135 @@ def test_path_of_unknown_block_raises(tree: RadixTree) -> None:
     assert tree.path(7) == [5, 6, 7]
     with pytest.raises(KeyError):
         tree.path(42)
+
+
+# ------------------------------------------------------- against a plain model
+class _ModelTree:
+    """The tree's contract in the plainest form: (parent, key) -> block, one op at a time."""
+
+    def __init__(self) -> None:
+        self.child: dict[tuple[int | None, bytes], int] = {}
+        self.parent: dict[int, int | None] = {}
+
+    def insert(self, parent: int | None, keys: list[bytes], ids: list[int]) -> int:
+        if parent is not None and parent not in self.parent:
+            return 0
+        node, done = parent, 0
+        for k, b in zip(keys, ids):
+            found = self.child.get((node, k))
+            if found is None:
+                break
+            if found != b:
+                return done
+            node, done = b, done + 1
+        new = ids[done:]
+        if any(b in self.parent for b in new) or len(set(new)) != len(new):
+            raise ValueError("already in the prefix cache elsewhere")
+        for k, b in zip(keys[done:], new):
+            self.child[(node, k)] = b
+            self.parent[b] = node
+            node = b
+        return len(ids)
+
+    def remove_leaves(self, ids: list[int]) -> tuple[list[int], list[int]]:
+        removed, refused = [], []
+        for b in ids:
+            if b not in self.parent or any(p == b for p in self.parent.values()):
+                refused.append(b)
+                continue
+            del self.child[next(e for e, c in self.child.items() if c == b)]
+            del self.parent[b]
+            removed.append(b)
+        return removed, refused
+
+
+@st.composite
+def _tree_ops(draw):
+    ops = []
+    for _ in range(draw(st.integers(1, 25))):
+        if draw(st.booleans()):
+            parent = draw(st.one_of(st.none(), st.integers(0, 40)))
+            n = draw(st.integers(1, 20))
+            keys = [key(t, 0, 0, 0) for t in draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))]
+            ids = draw(st.lists(st.integers(0, 40), min_size=n, max_size=n))
+            ops.append(("insert", parent, keys, ids))
+        elif draw(st.booleans()):
+            ops.append(("remove", draw(st.lists(st.integers(0, 40), max_size=40))))
+        else:  # blocks that are in the tree, a drawn share of them, deepest first or shuffled
+            ops.append(("remove_cached", draw(st.booleans()), draw(st.randoms(use_true_random=False))))
+    return ops
+
+
+def _cached_batch(model: _ModelTree, deepest_first: bool, rnd) -> list[int]:
+    def depth(b):
+        d = 0
+        while b is not None:
+            b, d = model.parent[b], d + 1
+        return d
+
+    ids = rnd.sample(sorted(model.parent), rnd.randint(0, len(model.parent)))
+    if deepest_first:
+        ids.sort(key=depth, reverse=True)
+    if ids and rnd.random() < 0.25:  # one block listed twice
+        ids.insert(rnd.randint(0, len(ids)), rnd.choice(ids))
+    return ids
+
+
+@settings(max_examples=300, deadline=None)
+@given(_tree_ops())
+def test_insert_and_remove_agree_with_a_plain_model(ops) -> None:
+    """Random chains in, random and in-tree batches out: the results (published
+    counts, removed and refused ids, errors, every path and leaf) equal the
+    plain model's, and a rejected insert changes nothing."""
+    tree, model = RadixTree(), _ModelTree()
+    for op in ops:
+        if op[0] == "insert":
+            _, parent, keys, ids = op
+            try:
+                want = model.insert(parent, keys, ids)
+            except ValueError:
+                before = sorted(tree.block_ids())
+                with pytest.raises(ValueError, match="already in the prefix cache elsewhere"):
+                    tree.insert(NS, parent, keys, ids)
+                assert sorted(tree.block_ids()) == before
+            else:
+                assert tree.insert(NS, parent, keys, ids) == want
+        else:
+            ids = op[1] if op[0] == "remove" else _cached_batch(model, *op[1:])
+            assert tree.remove_leaves(ids) == model.remove_leaves(ids)
+        tree.check()
+        assert sorted(tree.block_ids()) == sorted(model.parent)
+        for b in model.parent:
+            path, node = [], b
+            while node is not None:
+                path.append(node)
+                node = model.parent[node]
+            assert tree.path(b) == path[::-1]
+            assert tree.is_leaf(b) == all(p != b for p in model.parent.values())
+
+
+def test_remove_of_a_whole_chain_leaf_first() -> None:
+    t = RadixTree()
+    keys = [key(i, 0, 0, 0) for i in range(40)]
+    ids = list(range(100, 140))
+    assert t.insert(NS, None, keys, ids) == 40
+    assert t.insert(NS, 119, [KX], [200]) == 1  # a branch: 119 has two children
+    assert t.remove_leaves(ids[:19:-1]) == (ids[:19:-1], [])  # 139..120, leaf first
+    assert t.is_leaf(200) and not t.is_leaf(119)
+    assert t.remove_leaves([119, *ids[18::-1]]) == ([], [119, *ids[18::-1]])
+    assert t.remove_leaves([200, *ids[19::-1]]) == ([200, *ids[19::-1]], [])
+    assert len(t) == 0
+    t.check()
+
+
+def test_rejected_insert_undoes_only_its_own_blocks() -> None:
+    t = RadixTree()
+    assert t.insert(NS, None, [K0, K1], [5, 6]) == 2
+    # Walks 5 and 6, adds 9 below 6, then meets 6 again: only 9 is taken back.
+    with pytest.raises(ValueError, match="block 6 is already in the prefix cache elsewhere"):
+        t.insert(NS, None, [K0, K1, K2, K3], [5, 6, 9, 6])
+    assert t.match(NS, [K0, K1, K2]) == [5, 6] and t.is_leaf(6) and 9 not in t
+    with pytest.raises(ValueError, match="block 10 is already in the prefix cache elsewhere"):
+        t.insert(NS, 6, [K2, K3, KX], [10, 11, 10])
+    assert len(t) == 2 and 10 not in t and 11 not in t
+    t.check()

@@ -101,7 +101,9 @@ class RadixTree:
 
         Raises:
             ValueError: ``keys`` and ``block_ids`` differ in length, or a block
-                id is already in the tree under another place.
+                id is already in the tree under another place (or listed
+                twice); the blocks this call added are taken out again, so
+                the tree is as it was.
         """
         if len(keys) != len(block_ids):
             raise ValueError(f"{len(keys)} keys for {len(block_ids)} blocks")
@@ -115,13 +117,18 @@ class RadixTree:
             if node not in self._parent:
                 return 0
         done = 0
+        first_new = None  # index of the first block this call adds (an error undoes from there)
         child, parent, edge, nchild, pack = self._child, self._parent, self._edge, self._num_children, _ID.pack
         for key, block_id in zip(keys, block_ids):
             e = pack(node) + key
             found = child.get(e)
             if found is None:
                 if block_id in parent:
+                    if first_new is not None:  # undo: this call's blocks, deepest first
+                        self.remove_leaves([block_ids[i] for i in range(done - 1, first_new - 1, -1)])
                     raise ValueError(f"block {block_id} is already in the prefix cache elsewhere")
+                if first_new is None:
+                    first_new = done
                 child[e] = block_id
                 parent[block_id] = node
                 edge[block_id] = e
