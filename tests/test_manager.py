@@ -19,7 +19,7 @@ import pytest
 import structlog
 import torch
 
-from akv import Admit, KVCacheManager
+from akv import Admit, KVCacheConfig, KVCacheManager
 from akv.core.shard_state import ShardState
 from akv.errors import (
     ActorCrashed,
@@ -476,6 +476,49 @@ async def test_decode_batch_copying_a_shared_tail_evicts_nothing_when_the_copies
         await kv.check()
 
 
+async def _admit_under_pressure(config, one_step: bool) -> tuple:
+    """A pool full of cached blocks, then three admissions (one hitting a cached prefix) that must evict."""
+    async with KVCacheManager(config) as kv:
+        for i in range(8):  # fillers: 16 cached blocks, released oldest first
+            await publish(kv, f"f{i}", list(range(500 + 8 * i, 508 + 8 * i)))
+        await publish(kv, "hot", list(range(900, 909)))  # 2 more cached blocks, hit below
+        prompts = {"a": list(range(0, 12)), "b": [*range(900, 908), 1, 2, 3], "c": list(range(40, 50))}
+        admits = [Admit(seq_id=k, prompt=v) for k, v in prompts.items()]
+        if one_step:
+            results = [await kv.step(admits=admits)]
+        else:
+            results = [await kv.step(admits=[a]) for a in admits]
+        await kv.check()
+        stats = await kv.stats()
+        fillers = [await kv.lookup([*range(500 + 8 * i, 508 + 8 * i), 0]) for i in range(8)]
+        return (
+            sum(r.evicted_blocks for r in results),
+            [dict(r.rejected) for r in results],
+            [(await kv.sequence(k)).num_cached_tokens for k in prompts],
+            fillers,
+            (stats.free, stats.active, stats.cached, stats.blocks_evicted),
+            stats.eviction_batches,
+        )
+
+
+@pytest.mark.parametrize(("num_blocks", "batches_apart"), [(20, 3), (24, 1)])
+async def test_admissions_of_one_step_evict_in_one_pass_what_one_at_a_time_would(tiny_config, num_blocks, batches_apart) -> None:
+    """The step's admissions evict their whole shortfall in one pass (one
+    eviction batch), and the same cached blocks as admitting them one step at a
+    time; the prefix hit is protected either way.
+
+    18 cached blocks, ``num_blocks - 18`` free; the admissions want 3 + 1 + 3
+    new blocks ("b" hits 2 cached blocks).
+    """
+    together = await _admit_under_pressure(tiny_config(num_blocks=num_blocks), one_step=True)
+    apart = await _admit_under_pressure(tiny_config(num_blocks=num_blocks), one_step=False)
+    assert together[0] == apart[0] == 7 - (num_blocks - 18)
+    assert (together[1], apart[1]) == ([{}], [{}, {}, {}])
+    assert together[2] == apart[2] == [0, 8, 0]
+    assert together[3:5] == apart[3:5]
+    assert (together[5], apart[5]) == (1, batches_apart)
+
+
 async def test_prefix_hit_refreshes_recency(tiny_config) -> None:
     async with KVCacheManager(tiny_config(num_blocks=8)) as kv:
         a, b = list(range(9)), list(range(100, 109))
@@ -541,6 +584,41 @@ async def test_eviction_loop_relieves_pressure_in_batches(tiny_config) -> None:
     assert len(batches) == stats.eviction_loop_batches
     assert sum(e["blocks"] for e in batches) == stats.eviction_loop_blocks
     assert all(e["blocks"] <= 2 for e in batches)
+
+
+def test_watermark_blocks_cap_the_headroom_and_scale_the_low_mark() -> None:
+    cfg = KVCacheConfig(num_blocks=770_048, storage="none", low_watermark=0.02, high_watermark=0.05)
+    assert cfg.watermark_blocks(40_000) == (800.0, 2000)  # under the cap: the fractions
+    low, high = cfg.watermark_blocks(770_048)  # 38,503 wanted: capped at 2,048, low scaled alike
+    assert high == 2048 and low == pytest.approx(0.02 * 770_048 * 2048 / 38_503)
+    assert cfg.watermark_blocks(10) == (0.2, 1)
+    assert KVCacheConfig(num_blocks=64, storage="none", max_headroom_blocks=2).watermark_blocks(64) == (0.64, 2)
+    off = KVCacheConfig(num_blocks=64, storage="none", low_watermark=0.0, high_watermark=0.0)
+    assert off.watermark_blocks(64) == (0.0, 0)
+    for bad in (0, -1, 1.5, True, None):
+        with pytest.raises(InvalidInput, match="max_headroom_blocks must be a positive int"):
+            KVCacheConfig(num_blocks=64, max_headroom_blocks=bad)
+
+
+async def test_eviction_loop_keeps_at_most_max_headroom_blocks_free(tiny_config) -> None:
+    """With the high watermark at 50 % of 16 blocks but a cap of 3, the loop
+    refills to 3 free blocks and leaves the rest cached."""
+    with anyio.fail_after(20):
+        cfg = tiny_config(num_blocks=16, low_watermark=0.25, high_watermark=0.5, max_headroom_blocks=3)
+        async with KVCacheManager(cfg) as kv:
+            for i in range(6):
+                await kv.step(admits=[Admit(seq_id=f"s{i}", prompt=[100 * i + j for j in range(9)], prefill_done=True)])
+                await kv.free(f"s{i}")
+            await kv.step(admits=[Admit(seq_id="t", prompt=list(range(700, 716)), prefill_done=True)])  # 4 blocks
+            for _ in range(50):
+                await anyio.sleep(0.002)
+            stats = await kv.stats()
+            # low watermark: 0.25 * 16 * 3/8 = 1.5 free blocks; the admission left 0 free,
+            # so the loop evicted up to 3 free and stopped there.
+            assert stats.eviction_loop_blocks >= 1
+            assert stats.free == 3
+            assert stats.cached == 16 - 4 - 3
+            await kv.check()
 
 
 # ------------------------------------------------------------ typed errors

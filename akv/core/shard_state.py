@@ -341,6 +341,8 @@ class ShardState:
                 sched_ids.append(seq_id)
                 sched.append((row, start, k))
 
+        if req.admits and (len(matches) == len(req.admits) or not self.enable_prefix_cache):
+            out.evicted_blocks += yield from self._evict_for_admissions(req.admits, matches, protected)
         pending: list = []
         pending_ops: TreeOps = []
         for i, adm in enumerate(req.admits):
@@ -714,6 +716,30 @@ class ShardState:
             self.counters.pool_exhausted += 1
             return PoolExhausted(need, pool.num_free, pool.num_cached)
         return None
+
+    def _evict_for_admissions(self, admits: list, matches: dict[int, list[int]], protected: PendingHits) -> TreeGen:
+        """Evict the whole step's admission shortfall in one pass; return the blocks evicted.
+
+        The admissions would otherwise each evict their own shortfall (one
+        eviction pass, with its tree message, per admission). The victims are
+        the same blocks in the same order: allocations add nothing to the
+        eviction order and every pending hit is protected either way. Does
+        nothing unless the whole shortfall can be met (then some admission
+        will be rejected, and the per-admission path decides which); an
+        admission larger than the shard is left out of the count.
+        """
+        bs, pool = self.block_size, self.pool
+        need = 0
+        for i, adm in enumerate(admits):
+            length = len(adm.prompt)
+            total = -(-length // bs)
+            if total <= pool.num_blocks:
+                need += total - min(len(matches.get(i, ())), (length - 1) // bs)
+        short = need - pool.num_free
+        if short <= 0 or short > self._evictable(protected.blocks()):
+            return 0
+        evicted = yield from self._evict(short, protected.blocks())
+        return evicted
 
     def _evict(self, num_blocks: int, protected) -> TreeGen:
         """Evict cached leaves in policy order; blocks the tree refuses go to the evict-last end.
