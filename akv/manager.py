@@ -101,8 +101,6 @@ class KVCacheManager:
         self._executor.on_failure = self._on_copy_failure
         self._eviction = EvictionLoop(
             self._shards,
-            low_watermark=cfg.low_watermark,
-            high_watermark=cfg.high_watermark,
             batch_blocks=cfg.eviction_batch_blocks,
             logger=self._logger,
             batch_seconds=self._metrics.eviction_batch_s,
@@ -127,7 +125,7 @@ class KVCacheManager:
                 PoolShardActor(
                     state,
                     self._executor,
-                    low_watermark=cfg.low_watermark,
+                    watermarks=cfg.watermark_blocks(len(block_ids)),
                     wake_eviction=self._eviction.wake,
                     debug_invariants=cfg.debug_invariants,
                     inbox_capacity=cfg.inbox_capacity,

@@ -1,10 +1,12 @@
-"""Eviction loop: a control loop that keeps every shard's free fraction above the low watermark.
+"""Eviction loop: a control loop that keeps every shard's free blocks above its low watermark.
 
-The shards publish their free fraction after every message and set a wake-up
-event when it drops below ``low_watermark``. The loop then asks that shard to
-evict least recently used cached leaves in batches of
-``eviction_batch_blocks`` until its free fraction reaches ``high_watermark``
-or nothing is left to evict, logging one ``eviction.batch`` line per batch.
+The shards publish their free blocks after every message and set a wake-up
+event when they drop below the low watermark. The loop then asks that shard to
+evict cached leaves (first in the eviction policy's order) in batches of
+``eviction_batch_blocks`` until its free blocks reach the high watermark or
+nothing is left to evict, logging one ``eviction.batch`` line per batch. Both
+watermarks are fractions of the shard, the high one capped in blocks
+(:meth:`~akv.config.KVCacheConfig.watermark_blocks`).
 It asks only the shards (which ask nobody), so no ask cycle exists.
 
 Eviction here is pressure relief, not an error path: an allocation that finds
@@ -40,9 +42,8 @@ class EvictionLoop:
     """Background evictor for a set of shards.
 
     Args:
-        shards: The pool shard actors.
-        low_watermark: Free fraction that triggers eviction (0.0-1.0).
-        high_watermark: Free fraction to refill to (0.0-1.0).
+        shards: The pool shard actors; each carries its watermarks in free
+            blocks (``low_free_blocks``, ``high_free_blocks``).
         batch_blocks: Blocks per eviction batch.
         logger: structlog logger.
         batch_seconds: Histogram (``observe(seconds)``) of each batch's wall time.
@@ -53,16 +54,12 @@ class EvictionLoop:
         self,
         shards: list[PoolShardActor],
         *,
-        low_watermark: float,
-        high_watermark: float,
         batch_blocks: int,
         logger: Any = None,
         batch_seconds: Any = None,
         tracer: Any = None,
     ) -> None:
         self.shards = shards
-        self.low_watermark = low_watermark
-        self.high_watermark = high_watermark
         self.batch_blocks = batch_blocks
         self.log = (logger or structlog.get_logger("akv")).bind(actor="eviction_loop")
         self.stats = EvictionStats()
@@ -93,10 +90,9 @@ class EvictionLoop:
                 await self._relieve(shard)
 
     async def _relieve(self, shard: PoolShardActor) -> None:
-        num_blocks = shard.state.pool.num_blocks
-        while not self._stopping and shard.free_fraction < self.high_watermark:
-            target = int(self.high_watermark * num_blocks + 0.999999) - int(shard.free_fraction * num_blocks)
-            want = max(1, min(self.batch_blocks, target))
+        high = shard.high_free_blocks
+        while not self._stopping and shard.num_free < high:
+            want = min(self.batch_blocks, high - shard.num_free)
             before = 1.0 - shard.free_fraction
             with self.tracer.span("akv.evict_batch") as span:
                 t0 = time.perf_counter()

@@ -81,7 +81,9 @@ class PoolShardActor(Actor):
     Args:
         state: The shard's core state (owned from now on by this actor alone).
         copy_executor: Stream worker executor with ``submit(src, dst) -> ticket``.
-        low_watermark: Free fraction below which ``wake_eviction`` is called.
+        watermarks: ``(low, high)`` free blocks (see
+            :meth:`~akv.config.KVCacheConfig.watermark_blocks`): below ``low``,
+            ``wake_eviction`` is called; the eviction loop refills to ``high``.
         wake_eviction: Callback that wakes the eviction loop (must not block).
         debug_invariants: Run the O(1) conservation check after every message.
         inbox_capacity: Inbox bound (messages).
@@ -95,7 +97,7 @@ class PoolShardActor(Actor):
         state: ShardState,
         copy_executor: Any,
         *,
-        low_watermark: float,
+        watermarks: tuple[float, int],
         wake_eviction: Callable[[], None],
         debug_invariants: bool,
         inbox_capacity: int,
@@ -109,7 +111,10 @@ class PoolShardActor(Actor):
         #: The prefix cache index of this shard's blocks.
         self.tree = RadixTree()
         self.copy_executor = copy_executor
-        self.low_watermark = low_watermark
+        #: Free blocks below which the eviction loop is woken (while any block is cached).
+        self.low_free_blocks = watermarks[0]
+        #: Free blocks the eviction loop refills to.
+        self.high_free_blocks = watermarks[1]
         self.wake_eviction = wake_eviction
         self.debug_invariants = debug_invariants
         self.copy_bytes = copy_bytes
@@ -117,6 +122,8 @@ class PoolShardActor(Actor):
         self._pinned: list[tuple[Any, list[int]]] = []  # (ticket, source blocks)
         #: Free fraction after the last message (0.0-1.0), read by the eviction loop.
         self.free_fraction = 1.0
+        #: Free blocks after the last message, read by the eviction loop.
+        self.num_free = state.pool.num_free
         #: Referenced (active) plus in-flight blocks after the last message.
         self.blocks_in_use = 0
         #: Free plus evictable (cached) blocks after the last message.
@@ -252,10 +259,11 @@ class PoolShardActor(Actor):
 
     def _after(self) -> None:
         pool = self.state.pool
-        self.free_fraction = pool.num_free / pool.num_blocks
+        self.num_free = free = pool.num_free
+        self.free_fraction = free / pool.num_blocks
         self.blocks_in_use = pool.num_active + pool.num_in_flight
         self.blocks_available = pool.num_free + pool.num_cached
-        if self.free_fraction < self.low_watermark and pool.num_cached:
+        if free < self.low_free_blocks and pool.num_cached:
             self.wake_eviction()
         if self.debug_invariants:
             self.state.check_counters()

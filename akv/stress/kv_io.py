@@ -95,7 +95,7 @@ async def quiesce(kv: KVCacheManager, timeout_s: float = 5.0) -> None:
     Raises:
         TimeoutError: Not quiet within ``timeout_s``.
     """
-    low = kv.config.low_watermark * kv.config.num_blocks
+    low = sum(kv.config.watermark_blocks(len(r))[0] for r in kv.config.shard_ranges())
     with anyio.fail_after(timeout_s):
         while True:
             await kv.wait_copies()
