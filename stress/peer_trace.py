@@ -310,6 +310,14 @@ def _cmd(argv: list[str] | None) -> str:
 # --------------------------------------------------------------------------- sim
 
 
+def akv_watermarks(capacity: int) -> tuple[float, float]:
+    """akv's default eviction-loop watermarks for a one-shard pool, as the simulator's free fractions."""
+    from akv.config import KVCacheConfig
+
+    low, high = KVCacheConfig(num_blocks=capacity, storage="none").watermark_blocks(capacity)
+    return low / capacity, high / capacity
+
+
 def cmd_sim(a, argv) -> int:
     t_start = time.perf_counter()
     setup = trace_setup(a.trace, a.limit)
@@ -332,7 +340,7 @@ def cmd_sim(a, argv) -> int:
         for label, policy, wm in (
             ("belady", "belady", None),
             ("lru_model", "lru", None),
-            ("lru_model_watermarks", "lru", (0.02, 0.05)),
+            ("lru_model_watermarks", "lru", akv_watermarks(cap)),
         ):
             t = time.perf_counter()
             r = sim_hit_rate(reqs, sch["steps"], cap, policy, wm, inputs=inputs)
