@@ -317,3 +317,16 @@ def test_rejected_insert_undoes_only_its_own_blocks() -> None:
         t.insert(NS, 6, [K2, K3, KX], [10, 11, 10])
     assert len(t) == 2 and 10 not in t and 11 not in t
     t.check()
+
+
+def test_block_ids_outside_the_lists_are_not_in_the_tree(tree: RadixTree) -> None:
+    for b in (-1, -3, 8, 10**6):
+        assert b not in tree and not tree.is_leaf(b)
+        with pytest.raises(KeyError):
+            tree.path(b)
+    assert tree.remove_leaves([-1, 10**6, 7]) == ([7], [-1, 10**6])
+    with pytest.raises(ValueError, match="negative block id"):
+        tree.insert(NS, None, [KX], [-2])
+    assert tree.insert(NS, None, [KX], [10**5]) == 1 and tree.path(10**5) == [10**5]
+    assert tree.block_ids() == [5, 6, 10**5]
+    tree.check()
