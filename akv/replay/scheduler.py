@@ -115,7 +115,7 @@ class ReplayReport:
 class _Running:
     __slots__ = ("admitted_at", "generated", "index", "output_len", "outputs", "prompt_len", "seq_id")
 
-    def __init__(self, index: int, seq_id: str, prompt_len: int, output_len: int, outputs: np.ndarray) -> None:
+    def __init__(self, index: int, seq_id: str, prompt_len: int, output_len: int, outputs: list[int]) -> None:
         self.index = index
         self.seq_id = seq_id
         self.prompt_len = prompt_len
@@ -171,6 +171,7 @@ async def replay(
     frees: list[str] = []
     preempted: list[str] = []
     commits: dict[str, int] = {}
+    appends: dict[str, int] = {}  # the next step's decode tokens, in the order of ``running``
     latencies: list[float] = []
     now_ms = 0.0
     done = 0
@@ -187,11 +188,6 @@ async def replay(
         if not running and not waiting and not frees and not preempted and arrivals:
             now_ms = float(requests[arrivals[0]].timestamp_ms)
             continue
-
-        appends: dict[str, int] = {}
-        for seq_id, r in running.items():
-            if r.generated < r.output_len:
-                appends[seq_id] = int(r.outputs[r.generated])
 
         admits: list[Admit] = []
         pending: list[tuple[int, np.ndarray | None, _Running]] = []
@@ -212,7 +208,7 @@ async def replay(
                         trace_block_tokens=options.trace_block_tokens,
                         seed=options.seed,
                     ),
-                    synthesize_output(index, out_len(req), vocab_size=vocab, seed=options.seed),
+                    synthesize_output(index, out_len(req), vocab_size=vocab, seed=options.seed).tolist(),
                 )
             prompt, outputs = synthesized[index]
             tokens = prompt if resume is None else np.concatenate([prompt, resume])
@@ -247,16 +243,27 @@ async def replay(
         preempted = []
         commits = {}
 
-        for seq_id in appends:
-            if seq_id in result.rejected:
+        # One pass over the decoded sequences: commit, then the next token or done.
+        # Rejected appends retry the same token. Everything stays in the order of
+        # ``running`` (admission order), which the frees below follow.
+        rejected = result.rejected
+        next_appends: dict[str, int] = {}
+        finished: dict[str, None] = {}
+        for seq_id, token in appends.items():
+            if rejected and seq_id in rejected:
+                next_appends[seq_id] = token
                 continue
             r = running[seq_id]
             r.generated += 1
-            report.output_tokens += 1
             commits[seq_id] = 1
+            if r.generated < r.output_len:
+                next_appends[seq_id] = r.outputs[r.generated]
+            else:
+                finished[seq_id] = None
+        report.output_tokens += len(commits)
         requeue: list[tuple[int, np.ndarray | None]] = []
         for index, resume, r in pending:
-            err = result.rejected.get(r.seq_id)
+            err = rejected.get(r.seq_id)
             if err is None:
                 synthesized.pop(index, None)
                 cached = result.cached_tokens[r.seq_id]
@@ -271,6 +278,10 @@ async def replay(
                     report.cached_tokens_per_request[index] = cached
                 running[r.seq_id] = r
                 order.append(r.seq_id)
+                if r.generated < r.output_len:
+                    next_appends[r.seq_id] = r.outputs[r.generated]
+                else:
+                    finished[r.seq_id] = None
             elif isinstance(err, RequestTooLarge):
                 synthesized.pop(index, None)
                 report.requests_rejected += 1
@@ -278,18 +289,21 @@ async def replay(
             else:
                 requeue.append((index, resume))
         waiting.extendleft(reversed(requeue))
+        appends = next_appends
 
-        short = sum(1 for s in appends if isinstance(result.rejected.get(s), PoolExhausted))
+        short = sum(1 for s in rejected if s in appends and isinstance(rejected[s], PoolExhausted)) if rejected else 0
         while short > 0 and order:
             victim = order.pop()
             r = running.pop(victim)
             commits.pop(victim, None)
+            appends.pop(victim, None)
+            finished.pop(victim, None)
             preempted.append(victim)
             report.preemptions += 1
-            waiting.appendleft((r.index, r.outputs[: r.generated].copy()))
+            waiting.appendleft((r.index, np.array(r.outputs[: r.generated], dtype=np.int32)))
             short -= 1
 
-        for seq_id in [s for s, r in running.items() if r.generated >= r.output_len]:
+        for seq_id in finished:
             running.pop(seq_id)
             order.remove(seq_id)
             commits.pop(seq_id, None)
