@@ -519,6 +519,34 @@ async def test_admissions_of_one_step_evict_in_one_pass_what_one_at_a_time_would
     assert (together[5], apart[5]) == (1, batches_apart)
 
 
+@pytest.mark.parametrize("prefill_done", [False, True])
+async def test_a_later_admissions_hits_are_protected_from_an_earlier_ones_eviction(tiny_config, prefill_done) -> None:
+    """Room made for admission A never evicts admission B's cached prefix,
+    whether or not B is marked ``prefill_done`` (such admissions were matched
+    only at their turn, after A had evicted B's prefix)."""
+    async with KVCacheManager(tiny_config(num_blocks=20)) as kv:
+        b = [(7 * i) % 1000 for i in range(17)]  # 4 full blocks + 1 token
+        await publish(kv, "b0", b)
+        await publish(kv, "c0", list(range(300, 356)))  # 14 blocks, cached after b's
+        assert await kv.lookup(b) == 16
+        result = await kv.step(
+            admits=[Admit(seq_id="A", prompt=list(range(500, 548))), Admit(seq_id="B", prompt=b, prefill_done=prefill_done)]
+        )
+        assert result.cached_tokens == {"A": 0, "B": 16}
+        assert result.evicted_blocks == 11  # 12 + 1 new blocks, 2 free: only c's blocks go
+        await kv.check()
+
+
+async def test_an_admission_hits_what_an_earlier_prefill_done_admission_of_its_step_published(tiny_config) -> None:
+    """As if admitted in turn: the second admission shares the first one's just-published blocks."""
+    async with KVCacheManager(tiny_config(num_blocks=12)) as kv:
+        p = list(range(1, 34))  # 9 blocks, 8 full
+        result = await kv.step(admits=[Admit(seq_id=0, prompt=p, prefill_done=True), Admit(seq_id=1, prompt=p)])
+        assert (result.cached_tokens, result.rejected) == ({0: 0, 1: 32}, {})
+        assert (await kv.stats()).active == 10  # 9 blocks + the second prompt's own tail block
+        await kv.check()
+
+
 async def test_prefix_hit_refreshes_recency(tiny_config) -> None:
     async with KVCacheManager(tiny_config(num_blocks=8)) as kv:
         a, b = list(range(9)), list(range(100, 109))

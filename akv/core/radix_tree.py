@@ -69,17 +69,20 @@ class RadixTree:
         self._edge.extend([None] * extra)
         self._num_children.extend([-1] * extra)
 
-    def match(self, namespace: Hashable, keys: Sequence[bytes]) -> list[int]:
+    def match(self, namespace: Hashable, keys: Sequence[bytes], below: int | None = None) -> list[int]:
         """Block ids of the longest cached prefix of ``keys``. O(matched blocks).
 
         Args:
             namespace: Root to search under.
             keys: Per-block token bytes of the prompt's full blocks.
+            below: Match ``keys`` below this block instead of the namespace's
+                root (to extend an earlier match); nothing matches below a
+                block that is not in the tree.
 
         Returns:
             The matched block ids in logical order (possibly empty).
         """
-        node = self._roots.get(namespace)
+        node = self._roots.get(namespace) if below is None else (below if below in self else None)
         out: list[int] = []
         if node is None:
             return out

@@ -9,7 +9,8 @@ the same object either way, and no asyncio or torch is imported here.
 
 Tree operations (tuples):
 
-- ``("match", namespace, keys)`` -> ``list[int]`` matched block ids.
+- ``("match", namespace, keys[, below])`` -> ``list[int]`` matched block ids
+  (below block ``below`` instead of the root when given).
 - ``("insert", namespace, parent_block_id | None, keys, block_ids)`` -> ``int``
   leading blocks now published.
 - ``("remove", block_ids)`` -> ``(removed, refused)``.
@@ -45,7 +46,7 @@ def apply_tree_ops(tree: RadixTree, ops: TreeOps) -> list:
     for op in ops:
         kind = op[0]
         if kind == "match":
-            out.append(tree.match(op[1], op[2]))
+            out.append(tree.match(*op[1:]))
         elif kind == "insert":
             out.append(tree.insert(op[1], op[2], op[3], op[4]))
         elif kind == "remove":
@@ -285,10 +286,9 @@ class ShardState:
         match_slots: list[int] = []
         if self.enable_prefix_cache:
             for i, adm in enumerate(req.admits):
-                if not adm.prefill_done:
-                    n = (len(adm.prompt) - 1) // bs
-                    ops.append(("match", self.namespace_key(adm.namespace), bs_keys[i][:n]))
-                    match_slots.append(i)
+                n = (len(adm.prompt) - 1) // bs
+                ops.append(("match", self.namespace_key(adm.namespace), bs_keys[i][:n]))
+                match_slots.append(i)
         if ops:
             results = yield ops
             self._apply_published(publishing, results)
@@ -341,7 +341,7 @@ class ShardState:
                 sched_ids.append(seq_id)
                 sched.append((row, start, k))
 
-        if req.admits and (len(matches) == len(req.admits) or not self.enable_prefix_cache):
+        if req.admits and not any(adm.prefill_done for adm in req.admits):
             out.evicted_blocks += yield from self._evict_for_admissions(req.admits, matches, protected)
         pending: list = []
         pending_ops: TreeOps = []
@@ -350,17 +350,15 @@ class ShardState:
             length = len(prompt)
             max_hit_blocks = (length - 1) // bs
             ns = self.namespace_key(adm.namespace)
-            if i in matches:
-                hits = matches[i]
-            elif self.enable_prefix_cache:
-                results = yield [*pending_ops, ("match", ns, bs_keys[i][:max_hit_blocks])]
+            hits = matches.get(i, [])
+            if pending_ops:
+                # Earlier admissions of this step (prefill_done) publish first; their new
+                # blocks may extend this match (they are referenced, so need no protection).
+                results = yield [*pending_ops, ("match", ns, bs_keys[i][len(hits) : max_hit_blocks], hits[-1] if hits else None)]
                 self._apply_published(pending, results)
                 pending, pending_ops = [], []
-                hits = results[-1]
-                protected.add(i, hits)
-            else:
-                hits = []
-            hits = hits[:max_hit_blocks]
+                if results[-1]:
+                    hits = hits + results[-1]
             total = -(-length // bs)
             need = total - len(hits)
             err = yield from self._make_room(need, total, protected, out)
