@@ -152,6 +152,10 @@ class KVCacheConfig:
             raise InvalidInput(f"num_shards ({self.num_shards}) exceeds num_blocks ({self.num_blocks})")
         if self.storage not in ("tensors", "none"):
             raise InvalidInput(f"storage must be 'tensors' or 'none', got {self.storage!r}")
+        for field in ("low_watermark", "high_watermark"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise InvalidInput(f"{field} must be a float in [0, 1], got {value!r}")
         if not (0.0 <= self.low_watermark <= self.high_watermark <= 1.0):
             raise InvalidInput(
                 "watermarks must satisfy 0 <= low_watermark <= high_watermark <= 1, "
@@ -166,20 +170,26 @@ class KVCacheConfig:
         """The eviction loop's thresholds for a shard of ``shard_blocks`` blocks, in free blocks.
 
         ``high = min(ceil(high_watermark * shard_blocks), max_headroom_blocks)``
-        and ``low = low_watermark * shard_blocks`` scaled down by the same
-        factor as ``high``. The loop wakes when a shard's free blocks drop
-        below ``low`` (while it holds cached blocks) and evicts until they
-        reach ``high``.
+        (the product rounded first to 1e-9, so that ``0.07 * 100`` is 7, not
+        8) and ``low = low_watermark * shard_blocks`` scaled down by the same
+        factor as ``high``, never above it. The loop wakes when a shard's free
+        blocks drop below ``low`` (while it holds cached blocks) and evicts
+        until they reach ``high``.
 
         Returns:
             ``(low, high)``: low as a float (compared with ``<``), high as an
             int (blocks).
+
+        Raises:
+            InvalidInput: ``shard_blocks`` is not a positive int.
         """
+        if not isinstance(shard_blocks, int) or isinstance(shard_blocks, bool) or shard_blocks < 1:
+            raise InvalidInput(f"shard_blocks must be a positive int, got {shard_blocks!r}")
         want = math.ceil(self.high_watermark * shard_blocks - 1e-9)
         high = min(want, self.max_headroom_blocks)
         low = self.low_watermark * shard_blocks
         if high < want:
-            low *= high / want
+            low = min(low * high / want, high)
         return low, high
 
     @property

@@ -350,6 +350,11 @@ class KVCacheManager:
                 raise InvalidInput(f"admits must hold Admit items, got {type(adm).__name__}")
             _check_id(adm.seq_id, "admitted sequence id")
             _check_id(adm.namespace, f"namespace of {adm.seq_id!r}")
+            if not isinstance(adm.prefill_done, (bool, np.bool_)) or not isinstance(adm.resumed, (bool, np.bool_)):
+                raise InvalidInput(
+                    f"Admit {adm.seq_id!r}: prefill_done and resumed must be bools, "
+                    f"got {adm.prefill_done!r} and {adm.resumed!r}"
+                )
             prompt = as_token_array(adm.prompt, vocab, what=f"prompt of {adm.seq_id!r}")
             admits_arr.append(dataclasses.replace(adm, prompt=prompt))
         fork_list = []

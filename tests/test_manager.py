@@ -626,6 +626,15 @@ def test_watermark_blocks_cap_the_headroom_and_scale_the_low_mark() -> None:
     for bad in (0, -1, 1.5, True, None):
         with pytest.raises(InvalidInput, match="max_headroom_blocks must be a positive int"):
             KVCacheConfig(num_blocks=64, max_headroom_blocks=bad)
+    for bad in (None, "0.05", True, float("nan"), -0.1, 1.5):
+        with pytest.raises(InvalidInput, match="watermark"):
+            KVCacheConfig(num_blocks=64, high_watermark=bad)
+    # Rounding never puts the low mark above the high one.
+    same = KVCacheConfig(num_blocks=64, storage="none", low_watermark=0.05, high_watermark=0.05, max_headroom_blocks=7)
+    assert same.watermark_blocks(1000) == (7, 7)
+    for bad in (0, -5, 2.0, True):
+        with pytest.raises(InvalidInput, match="shard_blocks must be a positive int"):
+            cfg.watermark_blocks(bad)
 
 
 async def test_eviction_loop_keeps_at_most_max_headroom_blocks_free(tiny_config) -> None:
@@ -687,6 +696,8 @@ ERROR_CALLS = [
         InvalidTokens,
     ),
     ("step_not_an_admit", lambda kv: kv.step(admits=[("n", [1, 2])]), InvalidInput),
+    ("admit_prefill_done_str", lambda kv: kv.step(admits=[Admit(seq_id="n", prompt=[1, 2], prefill_done="yes")]), InvalidInput),
+    ("admit_resumed_int", lambda kv: kv.step(admits=[Admit(seq_id="n", prompt=[1, 2], resumed=1)]), InvalidInput),
     ("append_unknown", lambda kv: kv.append("ghost", [1]), UnknownSequence),
     ("commit_unknown", lambda kv: kv.commit("ghost", 1), UnknownSequence),
     ("fork_unknown", lambda kv: kv.fork("ghost", ["x"]), UnknownSequence),

@@ -118,7 +118,8 @@ class RadixTree:
             ValueError: ``keys`` and ``block_ids`` differ in length, a block id
                 is negative, or one is already in the tree under another place
                 (or listed twice); the blocks this call added are taken out
-                again, so the tree is as it was.
+                again, so the tree holds the blocks it held (a new
+                namespace's root, which holds no block, stays).
         """
         if len(keys) != len(block_ids):
             raise ValueError(f"{len(keys)} keys for {len(block_ids)} blocks")
@@ -146,9 +147,12 @@ class RadixTree:
             found = child.get(e)
             if found is None:
                 if parent[block_id] is not None:
+                    twice = first_new is not None and block_id in block_ids[first_new:done]
                     if first_new is not None:  # undo: this call's blocks, deepest first
                         self._size += done - first_new
                         self.remove_leaves([block_ids[i] for i in range(done - 1, first_new - 1, -1)])
+                    if twice:
+                        raise ValueError(f"block {block_id} is listed twice in one chain")
                     raise ValueError(f"block {block_id} is already in the prefix cache elsewhere")
                 if first_new is None:
                     first_new = done
