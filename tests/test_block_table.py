@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from akv.core import block_table
 from akv.core.block_table import BlockTables
+from akv.core.shard_state import ShardState
 
 
 @settings(max_examples=100, deadline=None)
@@ -62,3 +63,25 @@ def test_release_many_of_empty_rows(monkeypatch, sliced_max: int) -> None:
     tables = BlockTables()
     a, b = tables.new_row(), tables.new_row()
     assert tables.release_many([a.row, b.row]).tolist() == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5), st.integers(0, 3), st.integers(1, 40), st.integers(0, 2**31 - 1))
+def test_writing_tokens_at_a_block_boundary_equals_the_slot_formula(bs, first_block, k, seed) -> None:
+    """The block-wise write (an admission after its prefix hits) puts every token where
+    ``slot = block_table[row, pos // bs] * bs + pos % bs`` says, in a shard whose ids do not start at 0."""
+    state = ShardState(0, range(50, 50 + 64), bs)
+    row = state.tables.new_row().row
+    blocks = np.random.default_rng(seed).permutation(np.arange(50, 50 + 64))[: first_block + -(-k // bs)]
+    state.tables.ensure_cols(len(blocks))
+    state.tables.array[row, : len(blocks)] = blocks
+    tokens = np.random.default_rng(seed + 1).integers(0, 1000, k).astype(np.int32)
+    start = first_block * bs
+    state._write_tokens(row, start, tokens)
+    flat = state.block_tokens.reshape(-1)
+    pos = np.arange(start, start + k)
+    slots = blocks[pos // bs].astype(np.int64) * bs + pos % bs - 50 * bs
+    assert flat[slots].tolist() == tokens.tolist()
+    written = np.zeros(flat.shape, dtype=bool)
+    written[slots] = True
+    assert not flat[~written].any()  # nothing else touched

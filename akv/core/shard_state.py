@@ -626,6 +626,15 @@ class ShardState:
         if not k:
             return
         bs = self.block_size
+        if start % bs == 0:  # an admission after its prefix hits: whole blocks, then a partial one
+            full, rem = divmod(k, bs)
+            first = start // bs
+            offsets = self.tables.array[row, first : first + full + (rem > 0)] - self.pool.first_block_id
+            if full:
+                self.block_tokens[offsets[:full]] = tokens[: full * bs].reshape(full, bs)
+            if rem:
+                self.block_tokens[offsets[full], :rem] = tokens[full * bs :]
+            return
         pos = np.arange(start, start + k)
         slots = self.tables.array[row, pos // bs].astype(np.int64) * bs + pos % bs
         self._flat_tokens[slots - self._first_slot] = tokens
