@@ -301,7 +301,7 @@ class ShardState:
             protected.add(i, hits)
 
         # Scheduled rows, in metadata order: (seq ids, rows, first new position, new tokens).
-        decoded = self._decode(req.appends, out) if checked.single_appends else None
+        decoded = self._decode(req.appends, out, req.commits, checked.commit_rows) if checked.single_appends else None
         if decoded is None and checked.single_appends:
             # The batch's new blocks do not fit in the free blocks: evict the
             # shortfall in one pass (instead of per sequence on the general
@@ -309,7 +309,7 @@ class ShardState:
             short = self._decode_shortfall
             if short <= self._evictable(protected.blocks()):
                 out.evicted_blocks += yield from self._evict(short, protected.blocks())
-                decoded = self._decode(req.appends, out)
+                decoded = self._decode(req.appends, out, req.commits, checked.commit_rows)
         sched_ids: list = []
         sched: list[tuple[int, int, int]] = []
         if req.appends and decoded is None:
@@ -483,12 +483,11 @@ class ShardState:
 
     def _commits_ok(self, commits, freed: set) -> tuple[np.ndarray, np.ndarray] | None:
         """Vectorized commit check: all ids live, all counts ints within range; their rows and counts, or None."""
-        keys = commits.keys()
-        if (keys - self.sequences.keys()) or (keys & freed) or set(map(type, commits.values())) != {int}:
+        if (freed and not freed.isdisjoint(commits)) or set(map(type, commits.values())) != {int}:
             return None
         try:
             rows, add = self._commit_arrays(commits)
-        except OverflowError:  # a count beyond int64: the per-item check words the error
+        except (KeyError, OverflowError):  # an unknown id, a count beyond int64: the per-item check words the error
             return None
         t = self.tables
         if (add >= 0).all() and (t.num_computed[rows] + add <= t.num_tokens[rows]).all():
@@ -499,7 +498,7 @@ class ShardState:
         """Rows (intp) and token counts (int64) of valid ``commits``, in their order."""
         n = len(commits)
         rows = np.fromiter(map(self.rows.__getitem__, commits), dtype=np.intp, count=n)
-        return rows, np.fromiter(map(int, commits.values()), dtype=np.int64, count=n)
+        return rows, np.fromiter(commits.values(), dtype=np.int64, count=n)
 
     def _validate_commits(self, commits, freed: set) -> None:
         seqs = self.sequences
@@ -557,7 +556,9 @@ class ShardState:
             ops.append(("insert", (shard, seq.namespace), parents[j] if col else None, [key], [block]))
             publishing.append((seq, col, [block]))
 
-    def _decode(self, appends, out: StepOutcome) -> tuple[list, np.ndarray, np.ndarray, np.ndarray] | None:
+    def _decode(
+        self, appends, out: StepOutcome, commits=None, commit_rows: np.ndarray | None = None
+    ) -> tuple[list, np.ndarray, np.ndarray, np.ndarray] | None:
         """The vectorized decode path: one ``int`` token for each sequence of ``appends``.
 
         Returns ``(seq_ids, rows, positions, slots)`` (int arrays of shape
@@ -565,12 +566,21 @@ class ShardState:
         blocks and copies do not fit in the free blocks (the shortfall is left
         in ``_decode_shortfall``; the step then evicts it in one pass, or the
         general path evicts or rejects per sequence).
+
+        ``commits`` and ``commit_rows`` (the step's validated commits and their
+        rows) save looking the rows up again when the appends start with the
+        same sequences in the same order, as a decode loop's do.
         """
         values = appends.values()
         bs, pool, tables = self.block_size, self.pool, self.tables
         n = len(appends)
         ids = list(appends)
-        rows = np.fromiter(map(self.rows.__getitem__, ids), dtype=np.intp, count=n)
+        k = len(commits) if commit_rows is not None else 0
+        if k and k <= n and ids[:k] == list(commits):  # a decode loop commits and appends the same rows
+            rest = np.fromiter(map(self.rows.__getitem__, ids[k:]), dtype=np.intp, count=n - k)
+            rows = commit_rows if k == n else np.concatenate((commit_rows, rest))
+        else:
+            rows = np.fromiter(map(self.rows.__getitem__, ids), dtype=np.intp, count=n)
         pos = tables.num_tokens[rows]
         new_block = pos % bs == 0
         maybe_shared = np.flatnonzero(tables.shared_tail[rows] & ~new_block).tolist()
