@@ -239,6 +239,14 @@ def _tree_ops(draw):
             ops.append(("insert", parent, keys, ids))
         elif draw(st.booleans()):
             ops.append(("remove", draw(st.lists(st.integers(0, 40), max_size=40))))
+        elif draw(st.booleans()):  # a decode step's single-block publishes
+            items = draw(
+                st.lists(
+                    st.tuples(st.one_of(st.none(), st.integers(0, 40)), st.integers(0, 2), st.integers(0, 40)),
+                    max_size=8,
+                )
+            )
+            ops.append(("insert_blocks", [(p, key(t, 0, 0, 0), b) for p, t, b in items]))
         else:  # blocks that are in the tree, a drawn share of them, deepest first or shuffled
             ops.append(("remove_cached", draw(st.booleans()), draw(st.randoms(use_true_random=False))))
     return ops
@@ -278,6 +286,18 @@ def test_insert_and_remove_agree_with_a_plain_model(ops) -> None:
                 assert sorted(tree.block_ids()) == before
             else:
                 assert tree.insert(NS, parent, keys, ids) == want
+        elif op[0] == "insert_blocks":
+            saved = (dict(model.child), dict(model.parent))
+            try:
+                want = [model.insert(p, [k], [b]) for p, k, b in op[1]]
+            except ValueError:
+                model.child, model.parent = saved
+                before = sorted(tree.block_ids())
+                with pytest.raises(ValueError, match="already in the prefix cache elsewhere"):
+                    tree.insert_blocks([(NS, p, k, b) for p, k, b in op[1]])
+                assert sorted(tree.block_ids()) == before
+            else:
+                assert tree.insert_blocks([(NS, p, k, b) for p, k, b in op[1]]) == want
         else:
             ids = op[1] if op[0] == "remove" else _cached_batch(model, *op[1:])
             assert tree.remove_leaves(ids) == model.remove_leaves(ids)

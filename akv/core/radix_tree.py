@@ -172,6 +172,57 @@ class RadixTree:
             self._size += done - first_new
         return done
 
+    def insert_blocks(self, items: Sequence[tuple[Hashable, int | None, bytes, int]]) -> list[int]:
+        """Publish single blocks, each below its parent: a decode step's newly full blocks.
+
+        Each item ``(namespace, parent_block_id | None, key, block_id)`` is
+        exactly ``insert(namespace, parent_block_id, [key], [block_id])``, in
+        order, without the per-call overhead (one call for the step instead of
+        one per sequence).
+
+        Returns:
+            Per item, 1 if its block is now in the tree as itself, else 0.
+
+        Raises:
+            ValueError: A block id is negative or already in the tree under
+                another place; the blocks this call added are taken out again.
+        """
+        out: list[int] = []
+        added: list[int] = []
+        child, parent, edge, nchild, pack = self._child, self._parent, self._edge, self._num_children, _ID.pack
+        for namespace, node, key, block_id in items:
+            if node is None:
+                node = self._roots.get(namespace)
+                if node is None:
+                    node = self._roots[namespace] = -1 - len(self._roots)
+                    self._root_children[node] = 0
+            elif not 0 <= node < len(parent) or parent[node] is None:
+                out.append(0)
+                continue
+            if block_id >= len(parent):
+                self._grow(block_id)
+            e = pack(node) + key
+            found = child.get(e)
+            if found is None:
+                if block_id < 0 or parent[block_id] is not None:
+                    self._size += len(added)
+                    self.remove_leaves(added[::-1])
+                    raise ValueError(f"block {block_id} is negative or already in the prefix cache elsewhere")
+                child[e] = block_id
+                parent[block_id] = node
+                edge[block_id] = e
+                nchild[block_id] = 0
+                if node >= 0:
+                    nchild[node] += 1
+                else:
+                    self._root_children[node] += 1
+                added.append(block_id)
+                out.append(1)
+            else:
+                out.append(1 if found == block_id else 0)
+        self._size += len(added)
+        return out
+
     def remove_leaves(self, block_ids: Sequence[int]) -> tuple[list[int], list[int]]:
         """Remove the given blocks, each of which must be a leaf when its turn comes.
 

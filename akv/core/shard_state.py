@@ -13,6 +13,9 @@ Tree operations (tuples):
   (below block ``below`` instead of the root when given).
 - ``("insert", namespace, parent_block_id | None, keys, block_ids)`` -> ``int``
   leading blocks now published.
+- ``("insert_blocks", [(namespace, parent_block_id | None, key, block_id), ...])``
+  -> one ``int`` per item (each an ``insert`` of one block), *spliced* into
+  the results list, so results stay one per publishing entry.
 - ``("remove", block_ids)`` -> ``(removed, refused)``.
 - ``("lookup", namespace, keys)`` -> ``int`` (no side effects).
 - ``("size",)`` -> ``int`` blocks in the tree.
@@ -49,6 +52,8 @@ def apply_tree_ops(tree: RadixTree, ops: TreeOps) -> list:
             out.append(tree.match(*op[1:]))
         elif kind == "insert":
             out.append(tree.insert(op[1], op[2], op[3], op[4]))
+        elif kind == "insert_blocks":
+            out.extend(tree.insert_blocks(op[1]))
         elif kind == "remove":
             out.append(tree.remove_leaves(op[1]))
         elif kind == "lookup":
@@ -542,7 +547,7 @@ class ShardState:
             self._queue_publish_single(single, single_rows, ops, publishing)
 
     def _queue_publish_single(self, single: list, rows: list[int], ops: TreeOps, publishing: list) -> None:
-        """Queue one tree insert per sequence for its one newly full block, keys cut from one gather."""
+        """Queue the publishing of each sequence's one newly full block: one tree op, keys cut from one gather."""
         tables = self.tables
         cols = np.fromiter((c for _, c in single), dtype=np.intp, count=len(single))
         r = np.array(rows, dtype=np.intp)
@@ -551,10 +556,11 @@ class ShardState:
         raw = self.block_tokens[blocks.astype(np.intp) - self.pool.first_block_id].tobytes()
         width = 4 * self.block_size
         shard = self.shard_index
+        items = []
         for j, ((seq, col), block) in enumerate(zip(single, blocks.tolist())):
-            key = raw[j * width : (j + 1) * width]
-            ops.append(("insert", (shard, seq.namespace), parents[j] if col else None, [key], [block]))
+            items.append(((shard, seq.namespace), parents[j] if col else None, raw[j * width : (j + 1) * width], block))
             publishing.append((seq, col, [block]))
+        ops.append(("insert_blocks", items))
 
     def _decode(
         self, appends, out: StepOutcome, commits=None, commit_rows: np.ndarray | None = None
