@@ -8,7 +8,10 @@ dtypes are named by string and resolved by :mod:`akv.storage`.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
+
+import numpy as np
 
 from akv.core.eviction_policy import EVICTION_POLICIES
 from akv.errors import InvalidInput
@@ -154,8 +157,8 @@ class KVCacheConfig:
             raise InvalidInput(f"storage must be 'tensors' or 'none', got {self.storage!r}")
         for field in ("low_watermark", "high_watermark"):
             value = getattr(self, field)
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise InvalidInput(f"{field} must be a float in [0, 1], got {value!r}")
+            if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
+                raise InvalidInput(f"{field} must be a real number in [0, 1], got {value!r}")
         if not (0.0 <= self.low_watermark <= self.high_watermark <= 1.0):
             raise InvalidInput(
                 "watermarks must satisfy 0 <= low_watermark <= high_watermark <= 1, "
@@ -185,12 +188,12 @@ class KVCacheConfig:
         """
         if not isinstance(shard_blocks, int) or isinstance(shard_blocks, bool) or shard_blocks < 1:
             raise InvalidInput(f"shard_blocks must be a positive int, got {shard_blocks!r}")
-        want = math.ceil(self.high_watermark * shard_blocks - 1e-9)
+        want = math.ceil(float(self.high_watermark) * shard_blocks - 1e-9)
         high = min(want, self.max_headroom_blocks)
-        low = self.low_watermark * shard_blocks
+        low = float(self.low_watermark) * shard_blocks + 0.0  # + 0.0: no -0.0
         if high < want:
-            low = min(low * high / want, high)
-        return low, high
+            low *= high / want
+        return min(low, float(high)), high
 
     @property
     def bytes_per_block(self) -> int:

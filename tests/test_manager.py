@@ -12,6 +12,7 @@ import dataclasses
 import faulthandler
 import sys
 from collections.abc import Hashable
+from fractions import Fraction
 
 import anyio
 import numpy as np
@@ -484,10 +485,8 @@ async def _admit_under_pressure(config, one_step: bool) -> tuple:
         await publish(kv, "hot", list(range(900, 909)))  # 2 more cached blocks, hit below
         prompts = {"a": list(range(0, 12)), "b": [*range(900, 908), 1, 2, 3], "c": list(range(40, 50))}
         admits = [Admit(seq_id=k, prompt=v) for k, v in prompts.items()]
-        if one_step:
-            results = [await kv.step(admits=admits)]
-        else:
-            results = [await kv.step(admits=[a]) for a in admits]
+        batches = [admits] if one_step else [[a] for a in admits]
+        results = [await kv.step(admits=batch) for batch in batches]
         await kv.check()
         stats = await kv.stats()
         fillers = [await kv.lookup([*range(500 + 8 * i, 508 + 8 * i), 0]) for i in range(8)]
@@ -545,6 +544,23 @@ async def test_an_admission_hits_what_an_earlier_prefill_done_admission_of_its_s
         assert (result.cached_tokens, result.rejected) == ({0: 0, 1: 32}, {})
         assert (await kv.stats()).active == 10  # 9 blocks + the second prompt's own tail block
         await kv.check()
+
+
+async def test_a_publish_two_admissions_earlier_is_still_seen(tiny_config) -> None:
+    """A prefill_done admission, an unrelated one, then one sharing the first's prompt: the
+    third hits the first's blocks in the same step as it would one step later."""
+    for together in (True, False):
+        async with KVCacheManager(tiny_config(num_blocks=64)) as kv:
+            admits = [
+                Admit(seq_id="A", prompt=list(range(1, 10)), prefill_done=True),
+                Admit(seq_id="B", prompt=[9, 9, 9]),
+                Admit(seq_id="C", prompt=list(range(1, 10))),
+            ]
+            cached: dict = {}
+            for batch in [admits] if together else [[a] for a in admits]:
+                cached.update((await kv.step(admits=batch)).cached_tokens)
+            assert cached == {"A": 0, "B": 0, "C": 8}
+            await kv.check()
 
 
 async def test_prefix_hit_refreshes_recency(tiny_config) -> None:
@@ -632,6 +648,10 @@ def test_watermark_blocks_cap_the_headroom_and_scale_the_low_mark() -> None:
     # Rounding never puts the low mark above the high one.
     same = KVCacheConfig(num_blocks=64, storage="none", low_watermark=0.05, high_watermark=0.05, max_headroom_blocks=7)
     assert same.watermark_blocks(1000) == (7, 7)
+    assert KVCacheConfig(num_blocks=100, storage="none", low_watermark=0.07, high_watermark=0.07).watermark_blocks(100) == (7, 7)
+    real = KVCacheConfig(num_blocks=100, storage="none", low_watermark=np.float32(0.25), high_watermark=Fraction(1, 2))
+    assert real.watermark_blocks(100) == (25.0, 50)
+    assert KVCacheConfig(num_blocks=100, storage="none", low_watermark=-0.0, high_watermark=0).watermark_blocks(100) == (0.0, 0)
     for bad in (0, -5, 2.0, True):
         with pytest.raises(InvalidInput, match="shard_blocks must be a positive int"):
             cfg.watermark_blocks(bad)

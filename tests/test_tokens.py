@@ -6,6 +6,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -13,6 +14,30 @@ from akv.core.tokens import as_token_array
 from akv.errors import InvalidTokens
 
 VOCAB = 1000
+
+
+class _Index:
+    """An integer-like object: has ``__index__`` (as numpy and torch integer scalars do)."""
+
+    def __init__(self, value: int, fail: bool = False) -> None:
+        self.value, self.fail = value, fail
+
+    def __index__(self) -> int:
+        if self.fail:
+            raise ValueError("boom")
+        return self.value
+
+    def __repr__(self) -> str:
+        return "<bad index>" if self.fail else f"<{self.value}>"
+
+
+@pytest.mark.parametrize("value", [0, 1, 5])
+def test_integer_scalars_with_index_are_accepted_whatever_their_value(value) -> None:
+    for scalar in (_Index(value), np.array(value), torch.tensor(value), np.int64(value)):
+        assert as_token_array([scalar, 3], VOCAB).tolist() == [value, 3]
+        # ... and on the checking path (another element is bad), only the bad one is named
+        with pytest.raises(InvalidTokens, match=re.escape("token 2 is 2.5 (float), not an int")):
+            as_token_array([scalar, 3, 2.5], VOCAB)
 
 
 @pytest.mark.parametrize(
@@ -24,7 +49,10 @@ VOCAB = 1000
         ([4, 2.0], "token 1 is 2.0 (float), not an int"),
         ([4, "2"], "token 1 is '2' (str), not an int"),
         ([4, None], "token 1 is None (NoneType), not an int"),
-        ([4, 2**70], "does not fit in 64 bits"),
+        ([4, 2**70], "token 1 is 1180591620717411303424, outside [0, 1000)"),
+        ([5, 2**70, True], "token 1 is 1180591620717411303424, outside"),
+        ([np.uint64(2**64 - 1), 3], "token 0 is 18446744073709551615, outside"),
+        ([5, _Index(7, fail=True)], "token 1 is <bad index> (_Index), not an int"),
         ([4, -1], "token 1 is -1, outside"),
         ([4, VOCAB], f"token 1 is {VOCAB}, outside"),
     ],

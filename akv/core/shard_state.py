@@ -350,13 +350,14 @@ class ShardState:
             out.evicted_blocks += yield from self._evict_for_admissions(req.admits, matches, protected)
         pending: list = []
         pending_ops: TreeOps = []
+        published_here = False  # a prefill_done admission of this step has published blocks
         for i, adm in enumerate(req.admits):
             prompt = adm.prompt
             length = len(prompt)
             max_hit_blocks = (length - 1) // bs
             ns = self.namespace_key(adm.namespace)
             hits = matches.get(i, [])
-            if pending_ops:
+            if published_here and len(hits) < max_hit_blocks:
                 # Earlier admissions of this step (prefill_done) publish first; their new
                 # blocks may extend this match (they are referenced, so need no protection).
                 results = yield [*pending_ops, ("match", ns, bs_keys[i][len(hits) : max_hit_blocks], hits[-1] if hits else None)]
@@ -402,6 +403,7 @@ class ShardState:
             if adm.prefill_done:
                 tables.num_computed[row] = length
                 self._queue_publish(seq, pending_ops, pending)
+                published_here = published_here or bool(pending_ops)
         if pending_ops:
             results = yield pending_ops
             self._apply_published(pending, results)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import operator
 
 import numpy as np
 
@@ -12,20 +13,19 @@ from akv.errors import InvalidTokens
 def _from_int_list(tokens: list | tuple, what: str) -> np.ndarray | None:
     """int64 array of a list of ints in one C pass, or None to take the checking path.
 
-    ``array.array("q", ...)`` takes exactly the objects with ``__index__``:
-    ints, bools and numpy integers, and raises on floats, strings and None.
-    Bools (an int subclass) can only have become 0 or 1, so only those
-    positions are looked at again. Measured on 576-token prompts: 20 us
+    ``array.array("q", ...)`` takes exactly the objects with ``__index__``
+    (ints, bools, numpy and torch integer scalars) and raises on floats,
+    strings and None. Bools (an int subclass) can only have become 0 or 1,
+    so only those positions are looked at again. Measured on 576-token prompts: 20 us
     against 30 for a type pass plus ``np.fromiter``.
     """
     try:
         arr = np.frombuffer(array.array("q", tokens), dtype=np.int64)
-    except (TypeError, OverflowError):
+    except Exception:  # anything an element's __index__ raises: the checking path words the error
         return None
     for i in np.flatnonzero(arr <= 1).tolist():
-        t = tokens[i]
-        if type(t) is bool or not isinstance(t, (int, np.integer)):
-            raise InvalidTokens(f"{what}: token {i} is {t!r} ({type(t).__name__}), not an int")
+        if isinstance(tokens[i], (bool, np.bool_)):
+            raise InvalidTokens(f"{what}: token {i} is {tokens[i]!r} (bool), not an int")
     return arr
 
 
@@ -33,8 +33,10 @@ def as_token_array(tokens, vocab_size: int, *, what: str = "tokens") -> np.ndarr
     """Validate token ids and return them as a fresh int32 array.
 
     Args:
-        tokens: 1-D integer ids: a list or tuple of ``int``, a numpy integer
-            array, or a torch integer tensor (anything with ``.numpy()``).
+        tokens: 1-D integer ids: a list or tuple of ints (or of integer
+            scalars with ``__index__``, such as numpy's and torch's; not
+            bools), a numpy integer array, or a torch integer tensor
+            (anything with ``.numpy()``).
         vocab_size: Ids must lie in ``[0, vocab_size)``.
         what: Name used in error messages (e.g. ``"prompt of 'req-1'"``).
 
@@ -62,15 +64,15 @@ def as_token_array(tokens, vocab_size: int, *, what: str = "tokens") -> np.ndarr
         if isinstance(tokens, (list, tuple)):
             arr = _from_int_list(tokens, what)
         if arr is None and isinstance(tokens, (list, tuple)):
-            if set(map(type, tokens)) == {int}:
+            for i, t in enumerate(tokens):  # the first bad element, in order
                 try:
-                    arr = np.fromiter(tokens, dtype=np.int64, count=len(tokens))
-                except OverflowError:
-                    raise InvalidTokens(f"{what}: a token id does not fit in 64 bits") from None
-            else:
-                for i, t in enumerate(tokens):
-                    if type(t) is bool or not isinstance(t, (int, np.integer)):
-                        raise InvalidTokens(f"{what}: token {i} is {t!r} ({type(t).__name__}), not an int")
+                    if isinstance(t, (bool, np.bool_)):
+                        raise TypeError
+                    v = operator.index(t)
+                except Exception:  # whatever its __index__ raises
+                    raise InvalidTokens(f"{what}: token {i} is {t!r} ({type(t).__name__}), not an int") from None
+                if not 0 <= v < vocab_size:
+                    raise InvalidTokens(f"{what}: token {i} is {v}, outside [0, {vocab_size})")
         if arr is None:
             try:
                 arr = np.asarray(tokens)
