@@ -190,6 +190,8 @@ class RadixTree:
         out: list[int] = []
         added: list[int] = []
         child, parent, edge, nchild, pack = self._child, self._parent, self._edge, self._num_children, _ID.pack
+        # The lines that link a new block repeat insert's on purpose: both are per-block
+        # hot loops, and a shared helper would add a method call per block to each.
         for namespace, node, key, block_id in items:
             if node is None:
                 node = self._roots.get(namespace)
