@@ -147,7 +147,15 @@ class KVCacheConfig:
     eviction_policy: str = "slru"
 
     def __post_init__(self) -> None:
-        for field in ("num_blocks", "block_size", "vocab_size", "num_shards", "eviction_batch_blocks", "inbox_capacity", "max_headroom_blocks"):
+        for field in (
+            "num_blocks",
+            "block_size",
+            "vocab_size",
+            "num_shards",
+            "eviction_batch_blocks",
+            "inbox_capacity",
+            "max_headroom_blocks",
+        ):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidInput(f"{field} must be a positive int, got {value!r}")
@@ -167,7 +175,9 @@ class KVCacheConfig:
         if not isinstance(self.model, ModelShape):
             raise InvalidInput(f"model must be a ModelShape, got {type(self.model).__name__}")
         if not isinstance(self.eviction_policy, str) or self.eviction_policy not in EVICTION_POLICIES:
-            raise InvalidInput(f"unknown eviction_policy {self.eviction_policy!r}; known: {', '.join(EVICTION_POLICIES)}")
+            raise InvalidInput(
+                f"unknown eviction_policy {self.eviction_policy!r}; known: {', '.join(EVICTION_POLICIES)}"
+            )
 
     def watermark_blocks(self, shard_blocks: int) -> tuple[float, int]:
         """The eviction loop's thresholds for a shard of ``shard_blocks`` blocks, in free blocks.

@@ -281,7 +281,9 @@ def test_insert_and_remove_agree_with_a_plain_model(ops) -> None:
                 want = model.insert(parent, keys, ids)
             except ValueError:
                 before = sorted(tree.block_ids())
-                with pytest.raises(ValueError, match=r"already in the prefix cache elsewhere|listed twice in one chain"):
+                with pytest.raises(
+                    ValueError, match=r"already in the prefix cache elsewhere|listed twice in one chain"
+                ):
                     tree.insert(NS, parent, keys, ids)
                 assert sorted(tree.block_ids()) == before
             else:
