@@ -106,7 +106,11 @@ def _build_parser() -> argparse.ArgumentParser:
             "eviction bursts; --seq ID prints one sequence's history; --plot PATH draws the timeline."
         ),
     )
-    ip.add_argument("logfile", type=Path, help="JSON-lines log (unreadable lines, e.g. a crashed run's truncated last one, are skipped and listed)")
+    ip.add_argument(
+        "logfile",
+        type=Path,
+        help="JSON-lines log (unreadable lines, e.g. a crashed run's truncated last one, are skipped and listed)",
+    )
     ip.add_argument("--seq", help="print every event naming this sequence id")
     ip.add_argument("--plot", type=Path, help="write a PNG timeline of the eviction batches (needs matplotlib)")
     ip.add_argument("--json", action="store_true", dest="as_json", help="print the summary as JSON")

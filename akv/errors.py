@@ -60,8 +60,7 @@ class PoolExhausted(AkvError):
 
     def __init__(self, requested_blocks: int, free_blocks: int, evictable_blocks: int) -> None:
         super().__init__(
-            f"pool exhausted: requested {requested_blocks} blocks, "
-            f"{free_blocks} free, {evictable_blocks} evictable"
+            f"pool exhausted: requested {requested_blocks} blocks, {free_blocks} free, {evictable_blocks} evictable"
         )
         self.requested_blocks = requested_blocks
         self.free_blocks = free_blocks

@@ -329,7 +329,13 @@ class KVCacheManager:
         want_metadata: bool,
     ) -> StepResult:
         """Validate and convert the step's input, then ask the shard(s) (see :meth:`step`)."""
-        if commits is None and appends is None and _empty_tuple(admits) and _empty_tuple(forks) and _empty_tuple(preempted):
+        if (
+            commits is None
+            and appends is None
+            and _empty_tuple(admits)
+            and _empty_tuple(forks)
+            and _empty_tuple(preempted)
+        ):
             # Frees only (a serving stack's end-of-request call): nothing else to validate.
             request = StepRequest(frees=tuple(_ids(frees, "frees")), want_metadata=want_metadata)
             if span.is_recording():
@@ -409,7 +415,10 @@ class KVCacheManager:
             parts: dict[int, dict[str, Any]] = {}
 
             def part(shard: int) -> dict[str, Any]:
-                return parts.setdefault(shard, {"frees": [], "preempted": frozenset(), "commits": {}, "forks": [], "appends": {}, "admits": []})
+                return parts.setdefault(
+                    shard,
+                    {"frees": [], "preempted": frozenset(), "commits": {}, "forks": [], "appends": {}, "admits": []},
+                )
 
             def where(seq_id: Hashable) -> int:
                 try:
@@ -439,13 +448,21 @@ class KVCacheManager:
             free_now = [s.free_fraction for s in self._shards]
             admitted: set[Hashable] = set()
             for adm in request.admits:
-                if (adm.seq_id in route and adm.seq_id not in freed) or adm.seq_id in children or adm.seq_id in admitted:
+                if (
+                    (adm.seq_id in route and adm.seq_id not in freed)
+                    or adm.seq_id in children
+                    or adm.seq_id in admitted
+                ):
                     raise DuplicateSequence(adm.seq_id)
                 admitted.add(adm.seq_id)
                 shard = max(range(len(free_now)), key=lambda i: free_now[i])
-                free_now[shard] -= len(adm.prompt) / (self.config.block_size * self._shards[shard].state.pool.num_blocks)
+                free_now[shard] -= len(adm.prompt) / (
+                    self.config.block_size * self._shards[shard].state.pool.num_blocks
+                )
                 part(shard)["admits"].append(adm)
-            subs = [(shard, StepRequest(**parts[shard], want_metadata=request.want_metadata)) for shard in sorted(parts)]
+            subs = [
+                (shard, StepRequest(**parts[shard], want_metadata=request.want_metadata)) for shard in sorted(parts)
+            ]
             context = self._tracer.context()
             self._check_running()
             outcomes, tickets = [], []
@@ -845,7 +862,9 @@ def _check_id(value: Any, what: str) -> None:
     try:
         hash(value)
     except TypeError:
-        raise InvalidInput(f"{what} must be hashable (a str, int or tuple), got {type(value).__name__} {value!r}") from None
+        raise InvalidInput(
+            f"{what} must be hashable (a str, int or tuple), got {type(value).__name__} {value!r}"
+        ) from None
 
 
 def _items(values: Any, what: str) -> list:

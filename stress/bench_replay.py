@@ -30,7 +30,9 @@ from akv.trace import read_trace, shared_trace_path
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; return the exit code."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trace", type=Path, default=None, help="default: ../shared/traces/mooncake_conversation.jsonl")
+    parser.add_argument(
+        "--trace", type=Path, default=None, help="default: ../shared/traces/mooncake_conversation.jsonl"
+    )
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--model", default="llama-3-8b")
     parser.add_argument("--pool-gib", type=float, default=60.0)

@@ -13,7 +13,9 @@ from akv.stress import add_arguments, main_stress
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="run_stress.py", description="akv stress harness (same options as 'akv stress')")
+    parser = argparse.ArgumentParser(
+        prog="run_stress.py", description="akv stress harness (same options as 'akv stress')"
+    )
     add_arguments(parser)
     return main_stress(parser.parse_args(argv))
 

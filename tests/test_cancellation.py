@@ -26,6 +26,7 @@ from akv.stress.kv_io import prefill
 
 pytestmark = pytest.mark.anyio
 
+
 #: anyio 4 passes ``abandon_on_cancel`` to ``trio.to_thread.run_sync``, which trio added in 0.23;
 #: with an older trio every thread call (the manager's stream worker) raises TypeError.
 def _trio_usable() -> bool:

@@ -55,7 +55,10 @@ def test_inspect_summarizes_a_replay_log(tmp_path: Path, restore_logging, capsys
 def test_replay_plot_writes_a_png_of_the_timeline(tmp_path: Path, restore_logging) -> None:
     trace, png = tmp_path / "t.jsonl", tmp_path / "replay.png"
     write_tight_trace(trace, n=20)
-    assert main(["replay", str(trace), "--num-blocks", "200", "--storage", "none", "--no-progress", "--plot", str(png)]) == 0
+    assert (
+        main(["replay", str(trace), "--num-blocks", "200", "--storage", "none", "--no-progress", "--plot", str(png)])
+        == 0
+    )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

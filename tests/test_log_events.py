@@ -41,7 +41,9 @@ async def test_sequence_events_carry_their_sequence(tiny_config) -> None:
     assert (too_large["seq_id"], too_large["requested_blocks"]) == ("huge", 10)
     (freed,) = events["sequence.freed"]
     assert (freed["seq_id"], freed["preempted"]) == ("b", True)
-    assert all(e["log_level"] == "debug" for name in ("sequence.added", "cow.copy", "pool.exhausted") for e in events[name])
+    assert all(
+        e["log_level"] == "debug" for name in ("sequence.added", "cow.copy", "pool.exhausted") for e in events[name]
+    )
 
 
 def test_every_emitted_event_is_in_the_catalog() -> None:

@@ -416,7 +416,11 @@ async def _decode_under_pressure(config, single: bool) -> tuple:
         for i in range(8):  # fillers: 16 cached blocks, released oldest first
             await publish(kv, f"f{i}", list(range(500 + 8 * i, 508 + 8 * i)))
         decoders = [f"d{i}" for i in range(8)]  # 16 referenced blocks: the pool is full
-        await kv.step(admits=[Admit(seq_id=d, prompt=list(range(8 * i, 8 * i + 8)), prefill_done=True) for i, d in enumerate(decoders)])
+        await kv.step(
+            admits=[
+                Admit(seq_id=d, prompt=list(range(8 * i, 8 * i + 8)), prefill_done=True) for i, d in enumerate(decoders)
+            ]
+        )
         assert (await kv.stats()).free == 0
         appends = {d: (900 + i if single else [900 + i]) for i, d in enumerate(decoders)}
         result = await kv.step(appends=appends)
@@ -438,7 +442,9 @@ async def _decode_under_pressure(config, single: bool) -> tuple:
 
 
 @pytest.mark.parametrize("num_blocks", [32, 20])
-async def test_decode_batch_under_pressure_evicts_exactly_what_one_sequence_at_a_time_would(tiny_config, num_blocks) -> None:
+async def test_decode_batch_under_pressure_evicts_exactly_what_one_sequence_at_a_time_would(
+    tiny_config, num_blocks
+) -> None:
     """A decode batch short of free blocks evicts the shortfall in one pass and ends exactly as the per-sequence path.
 
     One-int appends take the vectorized path; one-element lists take the
@@ -501,7 +507,9 @@ async def _admit_under_pressure(config, one_step: bool) -> tuple:
 
 
 @pytest.mark.parametrize(("num_blocks", "batches_apart"), [(20, 3), (24, 1)])
-async def test_admissions_of_one_step_evict_in_one_pass_what_one_at_a_time_would(tiny_config, num_blocks, batches_apart) -> None:
+async def test_admissions_of_one_step_evict_in_one_pass_what_one_at_a_time_would(
+    tiny_config, num_blocks, batches_apart
+) -> None:
     """The step's admissions evict their whole shortfall in one pass (one
     eviction batch), and the same cached blocks as admitting them one step at a
     time; the prefix hit is protected either way.
@@ -529,7 +537,10 @@ async def test_a_later_admissions_hits_are_protected_from_an_earlier_ones_evicti
         await publish(kv, "c0", list(range(300, 356)))  # 14 blocks, cached after b's
         assert await kv.lookup(b) == 16
         result = await kv.step(
-            admits=[Admit(seq_id="A", prompt=list(range(500, 548))), Admit(seq_id="B", prompt=b, prefill_done=prefill_done)]
+            admits=[
+                Admit(seq_id="A", prompt=list(range(500, 548))),
+                Admit(seq_id="B", prompt=b, prefill_done=prefill_done),
+            ]
         )
         assert result.cached_tokens == {"A": 0, "B": 16}
         assert result.evicted_blocks == 11  # 12 + 1 new blocks, 2 free: only c's blocks go
@@ -648,10 +659,14 @@ def test_watermark_blocks_cap_the_headroom_and_scale_the_low_mark() -> None:
     # Rounding never puts the low mark above the high one.
     same = KVCacheConfig(num_blocks=64, storage="none", low_watermark=0.05, high_watermark=0.05, max_headroom_blocks=7)
     assert same.watermark_blocks(1000) == (7, 7)
-    assert KVCacheConfig(num_blocks=100, storage="none", low_watermark=0.07, high_watermark=0.07).watermark_blocks(100) == (7, 7)
+    assert KVCacheConfig(num_blocks=100, storage="none", low_watermark=0.07, high_watermark=0.07).watermark_blocks(
+        100
+    ) == (7, 7)
     real = KVCacheConfig(num_blocks=100, storage="none", low_watermark=np.float32(0.25), high_watermark=Fraction(1, 2))
     assert real.watermark_blocks(100) == (25.0, 50)
-    assert KVCacheConfig(num_blocks=100, storage="none", low_watermark=-0.0, high_watermark=0).watermark_blocks(100) == (0.0, 0)
+    assert KVCacheConfig(num_blocks=100, storage="none", low_watermark=-0.0, high_watermark=0).watermark_blocks(
+        100
+    ) == (0.0, 0)
     for bad in (0, -5, 2.0, True):
         with pytest.raises(InvalidInput, match="shard_blocks must be a positive int"):
             cfg.watermark_blocks(bad)
@@ -716,7 +731,11 @@ ERROR_CALLS = [
         InvalidTokens,
     ),
     ("step_not_an_admit", lambda kv: kv.step(admits=[("n", [1, 2])]), InvalidInput),
-    ("admit_prefill_done_str", lambda kv: kv.step(admits=[Admit(seq_id="n", prompt=[1, 2], prefill_done="yes")]), InvalidInput),
+    (
+        "admit_prefill_done_str",
+        lambda kv: kv.step(admits=[Admit(seq_id="n", prompt=[1, 2], prefill_done="yes")]),
+        InvalidInput,
+    ),
     ("admit_resumed_int", lambda kv: kv.step(admits=[Admit(seq_id="n", prompt=[1, 2], resumed=1)]), InvalidInput),
     ("append_unknown", lambda kv: kv.append("ghost", [1]), UnknownSequence),
     ("commit_unknown", lambda kv: kv.commit("ghost", 1), UnknownSequence),

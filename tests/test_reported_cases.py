@@ -250,7 +250,9 @@ async def _fork_chain_final_state(tiny_config, removal: tuple[str, ...]) -> tupl
 
 async def test_case6_fork_chain_removed_in_every_order(tiny_config) -> None:
     """S0 -> S1 -> S2, each appending, freed in all six orders: the same final state, no error."""
-    finals = {order: await _fork_chain_final_state(tiny_config, order) for order in itertools.permutations(("S0", "S1", "S2"))}
+    finals = {
+        order: await _fork_chain_final_state(tiny_config, order) for order in itertools.permutations(("S0", "S1", "S2"))
+    }
     assert len(set(finals.values())) == 1, finals
     states, published, cow_copies, lookups = next(iter(finals.values()))
     # Cached: S0's first block and S1's second (shared by S2); every partial tail is free.

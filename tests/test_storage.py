@@ -68,7 +68,9 @@ def test_from_config_sizes_match_config() -> None:
 
 def test_constructor_rejects_bad_sizes() -> None:
     with pytest.raises(InvalidInput, match="block_size"):
-        KVStorage(num_blocks=4, block_size=0, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32, device="cpu")
+        KVStorage(
+            num_blocks=4, block_size=0, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32, device="cpu"
+        )
 
 
 def test_write_gather_round_trip_across_block_boundaries() -> None:
@@ -148,7 +150,12 @@ def test_float8_cache_round_trip_is_bytewise() -> None:
 )
 def test_write_rejects_bad_input(kwargs: dict, match: str) -> None:
     storage = make_storage()
-    args = {"layer": 0, "slot_mapping": torch.tensor([0, 1]), "key": torch.zeros(2, 2, 3), "value": torch.zeros(2, 2, 3)}
+    args = {
+        "layer": 0,
+        "slot_mapping": torch.tensor([0, 1]),
+        "key": torch.zeros(2, 2, 3),
+        "value": torch.zeros(2, 2, 3),
+    }
     args.update(kwargs)
     with pytest.raises(InvalidInput, match=match):
         storage.write(**args)
@@ -272,7 +279,9 @@ def test_paged_attention_scale_and_dtype() -> None:
     expected = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=0.3, enable_gqa=True
     )[0].transpose(0, 1)
-    torch.testing.assert_close(paged_decode_attention(q, cache, tables, lens, scale=0.3), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        paged_decode_attention(q, cache, tables, lens, scale=0.3), expected, atol=1e-5, rtol=1e-5
+    )
     out16 = paged_decode_attention(q.bfloat16(), cache.bfloat16(), tables, lens)
     assert out16.dtype is torch.bfloat16
 
@@ -294,9 +303,7 @@ def test_paged_attention_rejects_bad_input() -> None:
     with pytest.raises(InvalidInput, match="query_start_loc"):
         paged_prefill_attention(torch.zeros(3, 2, 8), cache, tables, torch.tensor([0, 2], dtype=torch.int32), lens)
     with pytest.raises(InvalidInput, match="query lengths"):
-        paged_prefill_attention(
-            torch.zeros(6, 2, 8), cache, tables, torch.tensor([0, 6], dtype=torch.int32), lens
-        )
+        paged_prefill_attention(torch.zeros(6, 2, 8), cache, tables, torch.tensor([0, 6], dtype=torch.int32), lens)
 
 
 # --------------------------------------------------------------- CopyExecutor

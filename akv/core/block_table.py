@@ -91,7 +91,11 @@ class BlockTables:
             lens = self.lens[r]
             width = int(lens.max())
             # Column j of the reversed row is column width-1-j: held iff j >= width - len.
-            ids = self.array[r, width - 1 :: -1][self._cols[:width] >= (width - lens)[:, None]] if width else np.zeros(0, dtype=np.int32)
+            ids = (
+                self.array[r, width - 1 :: -1][self._cols[:width] >= (width - lens)[:, None]]
+                if width
+                else np.zeros(0, dtype=np.int32)
+            )
         self._free_rows.extend(rows)
         return ids
 

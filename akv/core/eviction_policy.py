@@ -399,7 +399,6 @@ class SegmentedOrder(HitCounts):
         """Block ids in eviction order."""
         return chain(self._probation, self._protected, self._deferred)
 
-
     def pop_first(self, max_blocks: int, skip) -> list[int]:
         """Take up to ``max_blocks`` blocks from the evict-first end; blocks in ``skip`` keep their place."""
         out: list[int] = []

@@ -286,7 +286,11 @@ class ShardState:
                 self.counters.forks += 1
 
         # Batch the matches of ordinary admissions with the inserts in one tree message.
-        bs_keys = [block_keys(adm.prompt, bs, len(adm.prompt) // bs) for adm in req.admits] if self.enable_prefix_cache else []
+        bs_keys = (
+            [block_keys(adm.prompt, bs, len(adm.prompt) // bs) for adm in req.admits]
+            if self.enable_prefix_cache
+            else []
+        )
         matches: dict[int, list[int]] = {}
         match_slots: list[int] = []
         if self.enable_prefix_cache:
@@ -360,7 +364,10 @@ class ShardState:
             if published_here and len(hits) < max_hit_blocks:
                 # Earlier admissions of this step (prefill_done) publish first; their new
                 # blocks may extend this match (they are referenced, so need no protection).
-                results = yield [*pending_ops, ("match", ns, bs_keys[i][len(hits) : max_hit_blocks], hits[-1] if hits else None)]
+                results = yield [
+                    *pending_ops,
+                    ("match", ns, bs_keys[i][len(hits) : max_hit_blocks], hits[-1] if hits else None),
+                ]
                 self._apply_published(pending, results)
                 pending, pending_ops = [], []
                 if results[-1]:

@@ -97,7 +97,14 @@ def eviction_bursts(log: LogFile, *, gap_s: float = BURST_GAP_S) -> list[dict[st
         t = _time(e)
         if not bursts or t is None or last_t is None or t - last_t > gap_s:
             bursts.append(
-                {"start": e.get("timestamp"), "t0": t, "batches": 0, "blocks": 0, "usage_before": e.get("usage_before"), "shards": set()}
+                {
+                    "start": e.get("timestamp"),
+                    "t0": t,
+                    "batches": 0,
+                    "blocks": 0,
+                    "usage_before": e.get("usage_before"),
+                    "shards": set(),
+                }
             )
         b = bursts[-1]
         b["end"] = e.get("timestamp")

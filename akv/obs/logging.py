@@ -53,7 +53,9 @@ def configure_logging(*, level: str = "info", json: bool = False, json_path: Pat
     root.propagate = False
     console = logging.StreamHandler(sys.stderr)
     console.setLevel(console_level)
-    renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    renderer = (
+        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
     console.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer]

@@ -36,7 +36,10 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "prompt_tokens",
         "Prompt tokens of first admissions looked up in the prefix cache.",
     ),
-    "akv_prefix_cache_hits_tokens": ("cached_tokens", "Prompt tokens of first admissions served from the prefix cache."),
+    "akv_prefix_cache_hits_tokens": (
+        "cached_tokens",
+        "Prompt tokens of first admissions served from the prefix cache.",
+    ),
     "akv_prefix_cache_resumed_queries_tokens": (
         "resumed_prompt_tokens",
         "Prompt tokens of re-admissions after preemption (counted apart from first admissions).",

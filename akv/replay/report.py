@@ -22,7 +22,12 @@ def progress_bar(total: int, *, enabled: bool = True) -> Iterator[Callable[[int,
         yield lambda done, total: None
         return
     with Progress(
-        TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=Console(stderr=True), transient=True
+        TextColumn("replay"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
     ) as bar:
         task = bar.add_task("replay", total=total)
         yield lambda done, total: bar.update(task, completed=done, total=total)
@@ -35,7 +40,10 @@ def print_summary(report: ReplayReport, config: KVCacheConfig, trace: Path) -> N
     table.add_column("value", justify="right")
     gib = config.pool_bytes / 2**30
     rows = [
-        ("requests (finished / dropped)", f"{report.requests_finished:,} / {report.requests_rejected:,} of {report.requests:,}"),
+        (
+            "requests (finished / dropped)",
+            f"{report.requests_finished:,} / {report.requests_rejected:,} of {report.requests:,}",
+        ),
         ("model / storage", f"{config.model.name} / {'metadata only' if config.storage == 'none' else config.device}"),
         ("pool", f"{config.num_blocks:,} blocks x {config.block_size} tokens ({gib:,.2f} GiB)"),
         ("prompt tokens", f"{report.prompt_tokens:,}"),
@@ -47,7 +55,10 @@ def print_summary(report: ReplayReport, config: KVCacheConfig, trace: Path) -> N
         ("peak running sequences", f"{report.peak_running:,}"),
         ("evicted blocks", f"{report.evictions:,}"),
         ("preemptions (re-admissions)", f"{report.preemptions:,} ({report.readmissions:,})"),
-        ("step latency p50 / p99", f"{report.step_latency_us.get('p50', 0):,.0f} / {report.step_latency_us.get('p99', 0):,.0f} us"),
+        (
+            "step latency p50 / p99",
+            f"{report.step_latency_us.get('p50', 0):,.0f} / {report.step_latency_us.get('p99', 0):,.0f} us",
+        ),
         ("simulated time", f"{report.simulated_s:,.1f} s"),
         ("wall time", f"{report.wall_s:,.2f} s"),
     ]

@@ -203,9 +203,7 @@ def paged_prefill_attention(
         )
     q_lens = starts.diff()
     if bool((q_lens < 0).any()) or bool((q_lens > lens_cpu).any()):
-        raise InvalidInput(
-            f"query lengths {q_lens.tolist()} must be >= 0 and <= context_lens {lens_cpu.tolist()}"
-        )
+        raise InvalidInput(f"query lengths {q_lens.tolist()} must be >= 0 and <= context_lens {lens_cpu.tolist()}")
     if block_tables.dim() != 2 or block_tables.shape[0] != batch:
         raise InvalidInput(f"block_tables must be (batch={batch}, max_blocks), got {tuple(block_tables.shape)}")
     key, value, lens = _dense_kv(kv_cache, block_tables, context_lens)

@@ -306,7 +306,13 @@ class Client:
             self._corrupt(seq, position=p, block_id=info.block_ids[p // bs], what="kv")
 
     def _corrupt(self, seq: SeqModel, *, position: int | None, block_id: int | None, what: str) -> None:
-        event = {"event": "corrupted_read", "what": what, "seq_id": str(seq.seq_id), "position": position, "block_id": block_id}
+        event = {
+            "event": "corrupted_read",
+            "what": what,
+            "seq_id": str(seq.seq_id),
+            "position": position,
+            "block_id": block_id,
+        }
         self.metrics.sample(event)
         self.log.error("stress.corrupted_read", what=what, seq_id=seq.seq_id, position=position, block_id=block_id)
 

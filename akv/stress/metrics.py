@@ -67,5 +67,10 @@ class Metrics:
             if len(arr) == 0:
                 continue
             p50, p99 = np.percentile(arr, [50, 99])
-            out[op] = {"count": len(arr), "p50": round(float(p50), 1), "p99": round(float(p99), 1), "max": round(float(arr.max()), 1)}
+            out[op] = {
+                "count": len(arr),
+                "p50": round(float(p50), 1),
+                "p99": round(float(p99), 1),
+                "max": round(float(arr.max()), 1),
+            }
         return out

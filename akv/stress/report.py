@@ -143,7 +143,10 @@ def print_summary(report: StressReport, console: Console | None = None) -> None:
         ("operations (ops/s)", f"{report.operations:,} ({report.ops_per_s:,.0f}/s)"),
         ("programs", ", ".join(f"{k} {v:,}" for k, v in sorted(report.programs.items()))),
         ("forks / cow copies", f"{report.forks:,} / {report.cow_copies:,}"),
-        ("evictions (batches, loop batches)", f"{report.evictions:,} ({report.eviction_batches:,}, {report.eviction_loop_batches:,})"),
+        (
+            "evictions (batches, loop batches)",
+            f"{report.evictions:,} ({report.eviction_batches:,}, {report.eviction_loop_batches:,})",
+        ),
         ("pool exhausted / retries / gave up", f"{report.pool_exhausted:,} / {report.retries:,} / {report.gave_up:,}"),
         ("cancellations / aborts", f"{report.cancellations:,} / {report.aborts:,}"),
         ("verifications (tokens)", f"{report.verifications:,} ({report.verified_tokens:,})"),

@@ -190,7 +190,11 @@ async def _fault_verdict(options: StressOptions, out: Outcome, metrics: Metrics,
         duration_s=options.fresh_manager_s,
         log=log.bind(phase="fresh_manager"),
     )
-    fresh_ok = fresh.clean and m_fresh.operations > 0 and not (m_fresh.corrupted_reads or m_fresh.unexpected_errors or m_fresh.hung_calls)
+    fresh_ok = (
+        fresh.clean
+        and m_fresh.operations > 0
+        and not (m_fresh.corrupted_reads or m_fresh.unexpected_errors or m_fresh.hung_calls)
+    )
     if not fresh_ok:
         log.error("stress.fresh_manager_failed", errors=fresh.errors, corrupted_reads=m_fresh.corrupted_reads)
     inj = out.injector
@@ -252,7 +256,9 @@ def _build_report(
         nonempty_inboxes=out.nonempty_inboxes,
         prefix_hit_rate=round(g("hit_rate"), 4),
         max_inbox_depth=dict(g("max_inbox_depth") or {}),
-        final_stats={k: g(k) for k in ("free", "active", "cached", "in_flight", "num_sequences", "prefix_cache_blocks")},
+        final_stats={
+            k: g(k) for k in ("free", "active", "cached", "in_flight", "num_sequences", "prefix_cache_blocks")
+        },
         errors=out.errors,
         samples=metrics.samples,
         fault_injection=fault,

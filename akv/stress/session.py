@@ -72,14 +72,18 @@ class Outcome:
 class Session:
     """One manager's workload: shared state of its tasks, monitor and injector."""
 
-    def __init__(self, kv: KVCacheManager, options: StressOptions, metrics: Metrics, outcome: Outcome, log: Any) -> None:
+    def __init__(
+        self, kv: KVCacheManager, options: StressOptions, metrics: Metrics, outcome: Outcome, log: Any
+    ) -> None:
         cfg = kv.config
         self.kv = kv
         self.options = options
         self.metrics = metrics
         self.outcome = outcome
         self.log = log
-        self.oracle = KVOracle(num_layers=cfg.model.num_layers, num_kv_heads=cfg.model.num_kv_heads, head_dim=cfg.model.head_dim)
+        self.oracle = KVOracle(
+            num_layers=cfg.model.num_layers, num_kv_heads=cfg.model.num_kv_heads, head_dim=cfg.model.head_dim
+        )
         self.prompts = PromptSource(options.seed, cfg.block_size)
         self.alive = 0
         self.errored: set[int] = set()
@@ -194,7 +198,12 @@ class Session:
                 with contextlib.suppress(*MANAGER_DOWN):
                     out.last_stats = await self.kv.stats()
             if tick % 20 == 0:
-                self.log.info("stress.progress", elapsed_s=round(now - start, 1), operations=m.operations, corrupted_reads=m.corrupted_reads)
+                self.log.info(
+                    "stress.progress",
+                    elapsed_s=round(now - start, 1),
+                    operations=m.operations,
+                    corrupted_reads=m.corrupted_reads,
+                )
 
     def on_fault(self) -> None:
         """Called by the injector as the fault fires: remember how many tasks must fail."""

@@ -33,12 +33,8 @@ class PromptSource:
     def __init__(self, seed: int, block_size: int) -> None:
         rng = random.Random(f"akv-stress-prompts-{seed}")
         self.block_size = block_size
-        self.system_prompts = [
-            [rng.randrange(VOCAB) for _ in range(n)] for n in system_prompt_lengths(block_size)
-        ]
-        self.canned_turns = [
-            [rng.randrange(VOCAB) for _ in range(rng.randint(1, 2 * block_size))] for _ in range(12)
-        ]
+        self.system_prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in system_prompt_lengths(block_size)]
+        self.canned_turns = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 2 * block_size))] for _ in range(12)]
 
     def prompt(self, rng: random.Random) -> list[int]:
         """A new prompt: a system prompt plus an empty, canned or fresh user turn."""

@@ -435,7 +435,9 @@ class ShardStateMachine(RuleBasedStateMachine):
     def free_several(self, data) -> None:
         """Several sequences (sharing prefix blocks, forks among them) freed in one step, with a
         repeated and an unknown id: the same shard as freeing them one step each."""
-        live = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=2, max_size=5, unique=True), label="live")
+        live = data.draw(
+            st.lists(st.sampled_from(sorted(self.model)), min_size=2, max_size=5, unique=True), label="live"
+        )
         frees = [*live, live[0], data.draw(st.sampled_from(self.dead), label="dead")]
         frees = data.draw(st.permutations(frees), label="order")
         one_by_one = copy.deepcopy((self.shard, self.tree))
