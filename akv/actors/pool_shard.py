@@ -11,8 +11,13 @@ submit), and their source and destination blocks stay pinned until the copy
 has run: neither can be handed out again while the copy may still read or
 write it.
 
-After every message it publishes its free fraction and, below the low
-watermark, wakes the eviction loop (a hint through an event, not an ask).
+After every message it publishes its free fraction and its unreserved free
+blocks and, below the low watermark, wakes the eviction loop (a hint through
+an event, not an ask). Blocks earmarked by reservations count as taken there.
+Tasks waiting for room (``KVCacheManager.wait_for_room``) wait on
+:meth:`PoolShardActor.room_changed`, set after a message that freed
+sequences, evicted blocks or raised the free plus evictable blocks, and when
+the actor stops.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from akv.actors.messages import Check, Evict, Inspect, Lookup, Stats, Step, Validate
+import anyio
+
+from akv.actors.messages import Check, Evict, Inspect, Lookup, Room, Stats, Step, Validate
 from akv.actors.runtime import Actor
 from akv.core.radix_tree import RadixTree
 from akv.core.shard_state import ShardCounters, ShardState, apply_tree_ops, drive
@@ -73,6 +80,7 @@ class ShardStats:
     max_inbox_depth: int
     blocks_freed: int = 0
     prefix_cache_blocks: int = 0
+    reserved: int = 0
 
 
 class PoolShardActor(Actor):
@@ -122,15 +130,42 @@ class PoolShardActor(Actor):
         self._pinned: list[tuple[Any, list[int]]] = []  # (ticket, source blocks)
         #: Free fraction after the last message (0.0-1.0), read by the eviction loop.
         self.free_fraction = 1.0
-        #: Free blocks after the last message, read by the eviction loop.
+        #: Free blocks no reservation holds after the last message, read by the eviction loop.
         self.num_free = state.pool.num_free
         #: Referenced (active) plus in-flight blocks after the last message.
         self.blocks_in_use = 0
-        #: Free plus evictable (cached) blocks after the last message.
+        #: Unreserved free plus evictable (cached) blocks after the last message.
         self.blocks_available = state.pool.num_blocks
+        self._room_event: anyio.Event | None = None  # made on demand: no waiter, no cost
+        self._room_hint = False  # the message being served freed sequences or evicted blocks
+
+    def room_changed(self) -> anyio.Event:
+        """An event set once room may have grown (or the actor stopped); take it before asking :class:`Room`.
+
+        Set after the first later message that freed a sequence, evicted
+        blocks or raised :attr:`blocks_available`; a fresh event after that.
+        """
+        if self._room_event is None:
+            self._room_event = anyio.Event()
+        return self._room_event
+
+    def close(self) -> None:
+        """Close as :meth:`Actor.close`, and wake the tasks waiting for room (their next ask fails)."""
+        super().close()
+        self._wake_room()
+
+    def stop(self, error: BaseException) -> None:
+        """Stop as :meth:`Actor.stop`, and wake the tasks waiting for room (their next ask fails)."""
+        super().stop(error)
+        self._wake_room()
+
+    def _wake_room(self) -> None:
+        if self._room_event is not None:
+            self._room_event.set()
+            self._room_event = None
 
     def handle(self, msg: Any) -> Any:
-        """Serve :class:`Step`, :class:`Validate`, :class:`Evict`, :class:`Lookup`, :class:`Inspect`, :class:`Stats` or :class:`Check`.
+        """Serve :class:`Step`, :class:`Validate`, :class:`Evict`, :class:`Lookup`, :class:`Room`, :class:`Inspect`, :class:`Stats` or :class:`Check`.
 
         Synchronous (it never awaits), so the runtime may run it on an asking
         task when the shard is idle (see :mod:`akv.actors.runtime`).
@@ -153,12 +188,16 @@ class PoolShardActor(Actor):
                         }
                     )
             self._log_step(msg.request, outcome)
+            self._room_hint = bool(outcome.freed or outcome.evicted_blocks)
             result: Any = (outcome, ticket)
         elif isinstance(msg, Validate):
             self.state.validate(msg.request)
             result = None
         elif isinstance(msg, Evict):
             result = drive(self.state.evict(msg.max_blocks), self.tree)
+            self._room_hint = result > 0
+        elif isinstance(msg, Room):
+            result = self.state.room(msg.seq_id, msg.num_tokens)
         elif isinstance(msg, Lookup):
             (result,) = apply_tree_ops(self.tree, [self.state.lookup_op(msg.namespace, msg.prompt)])
         elif isinstance(msg, Inspect):
@@ -259,10 +298,14 @@ class PoolShardActor(Actor):
 
     def _after(self) -> None:
         pool = self.state.pool
-        self.num_free = free = pool.num_free
-        self.free_fraction = free / pool.num_blocks
+        self.num_free = free = pool.num_free - self.state.num_reserved
+        self.free_fraction = pool.num_free / pool.num_blocks
         self.blocks_in_use = pool.num_active + pool.num_in_flight
-        self.blocks_available = pool.num_free + pool.num_cached
+        available = free + pool.num_cached
+        if self._room_event is not None and (self._room_hint or available > self.blocks_available):
+            self._wake_room()
+        self._room_hint = False
+        self.blocks_available = available
         if free < self.low_free_blocks and pool.num_cached:
             self.wake_eviction()
         if self.debug_invariants:
@@ -297,4 +340,5 @@ class PoolShardActor(Actor):
             max_inbox_depth=self.max_inbox_depth,
             blocks_freed=pool.blocks_freed,
             prefix_cache_blocks=len(self.tree),
+            reserved=self.state.num_reserved,
         )
