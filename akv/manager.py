@@ -454,7 +454,7 @@ class KVCacheManager:
             for seq_id, tokens in request.appends.items():
                 shard = children[seq_id] if seq_id in children else where(seq_id)
                 part(shard)["appends"][seq_id] = tokens
-            free_now = [s.free_fraction for s in self._shards]
+            free_now = [s.num_free / s.state.pool.num_blocks for s in self._shards]  # unreserved
             admitted: set[Hashable] = set()
             for adm in request.admits:
                 if (
@@ -465,7 +465,7 @@ class KVCacheManager:
                     raise DuplicateSequence(adm.seq_id)
                 admitted.add(adm.seq_id)
                 shard = max(range(len(free_now)), key=lambda i: free_now[i])
-                free_now[shard] -= len(adm.prompt) / (
+                free_now[shard] -= (len(adm.prompt) + (adm.max_new_tokens or 0)) / (
                     self.config.block_size * self._shards[shard].state.pool.num_blocks
                 )
                 part(shard)["admits"].append(adm)
@@ -886,7 +886,8 @@ class KVCacheManager:
 
         Checks every block's state against refcounts and block tables, the free
         queue, the LRU list, that exactly the published blocks are in the
-        prefix tree, and that the tree's links are consistent.
+        prefix tree, that the tree's links are consistent, and that the
+        reservations' earmarks add up (at most the free blocks).
 
         Raises:
             ActorCrashed: An inconsistency was found (the check's AssertionError

@@ -216,6 +216,14 @@ OPS = st.lists(
 )
 
 
+def run_step(state: ShardState, tree: RadixTree, req: StepRequest):
+    """One step, its copies "run" at once (their pins released), as the actor does once a copy is done."""
+    out = drive(state.step(req), tree)
+    if out.copies:
+        state.release_copy_pins([b for pair in out.copies for b in pair])
+    return out
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS)
 def test_reserved_sequences_never_refused_within_their_reservation(ops) -> None:
@@ -227,30 +235,47 @@ def test_reserved_sequences_never_refused_within_their_reservation(ops) -> None:
         if kind == "admit":
             sid, next_id = f"s{next_id}", next_id + 1
             adm = Admit(seq_id=sid, prompt=np.arange(1, a + 1, dtype=np.int32) + next_id, max_new_tokens=b)
-            out = drive(state.step(StepRequest(admits=[adm])), tree)
+            out = run_step(state, tree, StepRequest(admits=[adm]))
             if sid not in out.rejected:
                 limit[sid] = None if b is None else a + b
         elif kind == "decode" and live:
             batch = live[: a * 3]
-            out = drive(state.step(StepRequest(appends={s: 5 for s in batch})), tree)
+            out = run_step(state, tree, StepRequest(appends={s: 5 for s in batch}))
             for sid in out.rejected:
                 cap = limit[sid]
                 assert cap is None or state.sequences[sid].num_tokens >= cap, f"{sid} refused within its reservation"
-            drive(state.step(StepRequest(commits={s: 1 for s in batch if s not in out.rejected})), tree)
+            run_step(state, tree, StepRequest(commits={s: 1 for s in batch if s not in out.rejected}))
         elif kind == "fork" and live:
             parent = live[a % len(live)]
             child, next_id = f"s{next_id}", next_id + 1
             try:
-                drive(state.step(StepRequest(forks=[(parent, (child,))])), tree)
+                run_step(state, tree, StepRequest(forks=[(parent, (child,))]))
                 limit[child] = None
             except PoolExhausted:
                 assert child not in state.sequences
         elif kind == "free" and live:
             sid = live[a % len(live)]
-            drive(state.step(StepRequest(frees=(sid,))), tree)
+            run_step(state, tree, StepRequest(frees=(sid,)))
             del limit[sid]
-        state.release_copy_pins([b for b in list(state.pool._copy_pins) for _ in range(state.pool._copy_pins[b])])
         state.check(tree.block_ids())
+
+
+@pytest.mark.anyio
+async def test_eviction_loop_counts_reserved_blocks_as_taken(tiny_config) -> None:
+    """Earmarked blocks are free but not available: the loop evicts cached blocks to keep unreserved ones."""
+    config = tiny_config(num_blocks=20, low_watermark=0.2, high_watermark=0.3)  # low 4 blocks, high 6
+    async with KVCacheManager(config) as kv:
+        for i in range(4):  # 4 sequences of 3 full blocks, committed (published) and freed: 12 cached
+            await kv.add_sequence(f"c{i}", prompt(12, 100 + 20 * i))
+            await kv.commit(f"c{i}", 12)
+            await kv.free(f"c{i}")
+        assert await counts(kv) == (8, 0, 12, 0, 0)
+        await kv.add_sequence("r", prompt(1), max_new_tokens=27)  # 1 block + 6 earmarked: 1 unreserved free
+        await anyio.wait_all_tasks_blocked()  # the loop woke (unreserved free < low) and finished its batches
+        free, active, cached, reserved, _ = await counts(kv)
+        assert (active, reserved) == (1, 6)
+        assert free - reserved == 6 and cached == 7  # evicted up to the high watermark, not counting the earmark
+        await kv.check()
 
 
 # ------------------------------------------------------------ wait_for_room
