@@ -150,6 +150,8 @@ async def test_fork_earmarks_the_parents_copy_on_write_block(tiny_config) -> Non
         await kv.add_sequence("p", prompt(3), max_new_tokens=5)  # 8 tokens: 1 block + 1 earmarked
         await kv.fork("p", ["c1", "c2"])  # the shared partial tail: one more block for p's copy
         assert await counts(kv) == (7, 1, 0, 2, 3)
+        p, c1 = await kv.sequence("p"), await kv.sequence("c1")
+        assert (p.max_tokens, p.reserved_blocks, c1.max_tokens, c1.reserved_blocks) == (8, 2, None, 0)
         assert await fill(kv, "x") == 5
         for t in range(5):  # p copies its tail first, then its own next block: both earmarked
             await kv.append("p", t)

@@ -32,6 +32,7 @@ import anyio
 from akv.actors.messages import Check, Evict, Inspect, Lookup, Room, Stats, Step, Validate
 from akv.actors.runtime import Actor
 from akv.core.radix_tree import RadixTree
+from akv.core.reservation import row_reserved
 from akv.core.shard_state import ShardCounters, ShardState, apply_tree_ops, drive
 from akv.core.step import StepOutcome, StepRequest
 from akv.errors import AkvError, PoolExhausted
@@ -52,6 +53,9 @@ class SequenceInfo:
         block_ids: Its block table (logical order).
         token_ids: Its token history.
         parent_id: Parent if forked.
+        max_tokens: Tokens its reservation covers (prompt plus
+            ``max_new_tokens``), or None without one.
+        reserved_blocks: Free blocks earmarked for it now.
     """
 
     seq_id: Hashable
@@ -63,6 +67,8 @@ class SequenceInfo:
     block_ids: tuple[int, ...]
     token_ids: tuple[int, ...]
     parent_id: Hashable | None
+    max_tokens: int | None = None
+    reserved_blocks: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -313,6 +319,8 @@ class PoolShardActor(Actor):
 
     def _inspect(self, seq_id: Hashable) -> SequenceInfo:
         seq = self.state.get(seq_id)
+        tables, row = self.state.tables, seq.row
+        max_tokens = int(tables.max_tokens[row])
         return SequenceInfo(
             seq_id=seq.seq_id,
             shard=self.state.shard_index,
@@ -323,6 +331,8 @@ class PoolShardActor(Actor):
             block_ids=tuple(seq.block_ids.tolist()),
             token_ids=tuple(self.state.token_ids(seq).tolist()),
             parent_id=seq.parent_id,
+            max_tokens=max_tokens or None,
+            reserved_blocks=row_reserved(tables, row, self.state.block_size),
         )
 
     def _stats(self) -> ShardStats:
