@@ -211,6 +211,7 @@ OPS = st.lists(
     st.one_of(
         st.tuples(st.just("admit"), st.integers(1, 9), st.one_of(st.none(), st.integers(0, 12))),
         st.tuples(st.just("decode"), st.integers(1, 3), st.just(None)),
+        st.tuples(st.just("extend"), st.integers(0, 7), st.integers(1, 6)),
         st.tuples(st.just("fork"), st.integers(0, 7), st.just(None)),
         st.tuples(st.just("free"), st.integers(0, 7), st.just(None)),
     ),
@@ -247,6 +248,12 @@ def test_reserved_sequences_never_refused_within_their_reservation(ops) -> None:
                 cap = limit[sid]
                 assert cap is None or state.sequences[sid].num_tokens >= cap, f"{sid} refused within its reservation"
             run_step(state, tree, StepRequest(commits={s: 1 for s in batch if s not in out.rejected}))
+        elif kind == "extend" and live:  # several tokens: the per-sequence path
+            sid = live[a % len(live)]
+            out = run_step(state, tree, StepRequest(appends={sid: np.full(b, 3, dtype=np.int32)}))
+            cap = limit[sid]
+            if sid in out.rejected:
+                assert cap is None or state.sequences[sid].num_tokens + b > cap, f"{sid} refused within its reservation"
         elif kind == "fork" and live:
             parent = live[a % len(live)]
             child, next_id = f"s{next_id}", next_id + 1

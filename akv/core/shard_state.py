@@ -625,17 +625,20 @@ class ShardState:
         new_block = pos % bs == 0
         maybe_shared = np.flatnonzero(tables.shared_tail[rows] & ~new_block).tolist()
         num_new = int(np.count_nonzero(new_block))
-        reserved = None
+        released = 0  # earmarked blocks this batch takes or gives back
         if self.num_reserved_seqs:
             # A row allocates at most one block (a new block or a copy); a row
             # with an earmark takes it from there, the others from the free
-            # blocks no reservation holds.
-            reserved = reserved_blocks(tables, rows, bs)
-            own = reserved > 0
+            # blocks no reservation holds. Afterwards every row's copy earmark
+            # is gone (used or, its tail written in place, given back) and each
+            # new block of a row with earmarked blocks came out of them.
+            ahead = np.maximum(-(-tables.max_tokens[rows] // bs) - tables.lens[rows], 0) > 0
+            cow = tables.cow_reserved[rows]
+            released = int(np.count_nonzero(new_block & ahead)) + int(np.count_nonzero(cow))
             short = self._decode_short(
                 rows,
-                [i for i in maybe_shared if not own[i]],
-                int(np.count_nonzero(new_block & ~own)),
+                [i for i in maybe_shared if not cow[i]],
+                int(np.count_nonzero(new_block & ~ahead)),
                 pool.num_free - self.num_reserved,
             )
         else:
@@ -656,9 +659,9 @@ class ShardState:
             self.table_refs += num_new
             self.counters.blocks_allocated += num_new
         tables.shared_tail[rows] = False
-        if reserved is not None:
+        if released:
             tables.cow_reserved[rows] = False
-            self.num_reserved += int(reserved_blocks(tables, rows, bs).sum() - reserved.sum())
+            self.num_reserved -= released
         slots = tables.array[rows, pos // bs].astype(np.int64) * bs + pos % bs
         self._flat_tokens[slots - self._first_slot] = np.fromiter(values, dtype=np.int64, count=n)
         tables.num_tokens[rows] = pos + 1
