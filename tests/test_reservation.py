@@ -289,10 +289,14 @@ async def test_eviction_loop_counts_reserved_blocks_as_taken(tiny_config) -> Non
 
 # ------------------------------------------------------------ wait_for_room
 @pytest.mark.anyio
-async def test_wait_for_room_wakes_on_a_free(tiny_config) -> None:
-    async with KVCacheManager(tiny_config(num_blocks=4)) as kv:
+@pytest.mark.parametrize("num_shards", [1, 2])
+async def test_wait_for_room_wakes_on_a_free(tiny_config, num_shards) -> None:
+    async with KVCacheManager(tiny_config(num_blocks=8, num_shards=num_shards)) as kv:
         await kv.add_sequence("a", prompt(4))
-        await kv.add_sequence("b", prompt(12, 50))
+        filled = await fill(kv, "x")
+        assert filled == 7
+        shard = (await kv.sequence("a")).shard
+        other = [f"x{i}" for i in range(filled) if (await kv.sequence(f"x{i}")).shard == shard]
         done = anyio.Event()
 
         async def waiter() -> None:
@@ -304,7 +308,7 @@ async def test_wait_for_room_wakes_on_a_free(tiny_config) -> None:
                 tg.start_soon(waiter)
                 await anyio.wait_all_tasks_blocked()
                 assert not done.is_set()
-                await kv.free("b")
+                await kv.free(other[0])  # a block of a's own shard
                 await done.wait()
         await kv.append("a", 5)
         await kv.check()
