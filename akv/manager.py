@@ -31,14 +31,22 @@ import structlog
 import torch
 
 from akv.actors.eviction_loop import EvictionLoop
-from akv.actors.messages import Check, Inspect, Lookup, Stats, Step, Validate
+from akv.actors.messages import Check, Inspect, Lookup, Room, Stats, Step, Validate
 from akv.actors.pool_shard import PoolShardActor, SequenceInfo, ShardStats
 from akv.actors.runtime import Actor
 from akv.config import KVCacheConfig
 from akv.core.shard_state import ShardState
 from akv.core.step import Admit, StepOutcome, StepRequest, empty_metadata
 from akv.core.tokens import as_token_array
-from akv.errors import ActorCrashed, DuplicateSequence, InvalidInput, InvalidTokens, ManagerClosed, UnknownSequence
+from akv.errors import (
+    ActorCrashed,
+    DuplicateSequence,
+    InvalidInput,
+    InvalidTokens,
+    ManagerClosed,
+    PoolExhausted,
+    UnknownSequence,
+)
 from akv.obs.metrics import ManagerMetrics, MetricsSnapshot
 from akv.obs.tracing import AkvTracer
 from akv.results import NO_COPIES, CacheStats, CopyCompletion, StepResult
@@ -368,6 +376,7 @@ class KVCacheManager:
                     namespace=adm.namespace,
                     prefill_done=adm.prefill_done,
                     resumed=adm.resumed,
+                    max_new_tokens=_max_new_tokens(adm),
                 )
             )  # a copy: the caller's object is not changed (1.4 us, against 2.3 for dataclasses.replace)
         fork_list = []
@@ -445,7 +454,7 @@ class KVCacheManager:
             for seq_id, tokens in request.appends.items():
                 shard = children[seq_id] if seq_id in children else where(seq_id)
                 part(shard)["appends"][seq_id] = tokens
-            free_now = [s.free_fraction for s in self._shards]
+            free_now = [s.num_free / s.state.pool.num_blocks for s in self._shards]  # unreserved
             admitted: set[Hashable] = set()
             for adm in request.admits:
                 if (
@@ -456,7 +465,7 @@ class KVCacheManager:
                     raise DuplicateSequence(adm.seq_id)
                 admitted.add(adm.seq_id)
                 shard = max(range(len(free_now)), key=lambda i: free_now[i])
-                free_now[shard] -= len(adm.prompt) / (
+                free_now[shard] -= (len(adm.prompt) + (adm.max_new_tokens or 0)) / (
                     self.config.block_size * self._shards[shard].state.pool.num_blocks
                 )
                 part(shard)["admits"].append(adm)
@@ -578,7 +587,9 @@ class KVCacheManager:
         )
 
     # ------------------------------------------------- one-sequence helpers
-    async def add_sequence(self, seq_id: Hashable, prompt: Any, *, namespace: Hashable = None) -> int:
+    async def add_sequence(
+        self, seq_id: Hashable, prompt: Any, *, namespace: Hashable = None, max_new_tokens: int | None = None
+    ) -> int:
         """Add a sequence from its prompt and allocate its blocks (all or nothing).
 
         Args:
@@ -586,6 +597,14 @@ class KVCacheManager:
             prompt: Token ids, 1-D ints, non-empty (a list, numpy array or
                 torch tensor; a lone integer scalar is a one-token prompt).
             namespace: Prefix-cache namespace (tenant, adapter, model epoch).
+            max_new_tokens: Reserve room for this many generated tokens (an
+                ``int >= 0``): appends up to ``len(prompt) + max_new_tokens``
+                tokens then never raise :class:`~akv.errors.PoolExhausted`;
+                this call raises it instead when the room is not there. The
+                earmarked blocks stay free but no other sequence may take
+                them (``CacheStats.reserved_blocks``); free and preemption
+                release them; forked children do not inherit them. ``None``
+                (default): no reservation.
 
         Returns:
             Prompt tokens served from the prefix cache: whole blocks, and never
@@ -596,14 +615,15 @@ class KVCacheManager:
 
         Raises:
             InvalidTokens: Empty or bad prompt (nothing allocated).
+            InvalidInput: ``max_new_tokens`` is not ``None`` or an ``int >= 0``.
             DuplicateSequence: ``seq_id`` is live.
-            PoolExhausted: Transient: not enough free plus evictable blocks now.
+            PoolExhausted: Transient: not enough free plus evictable blocks now
+                (for the prompt and the reservation).
             RequestTooLarge: Permanent: more blocks than the shard holds.
         """
         with self._tracer.span("akv.add_sequence", attributes={"akv.seq_id": str(seq_id)}) as span:
-            result = await self.step(
-                admits=[Admit(seq_id=seq_id, prompt=prompt, namespace=namespace)], want_metadata=False
-            )
+            adm = Admit(seq_id=seq_id, prompt=prompt, namespace=namespace, max_new_tokens=max_new_tokens)
+            result = await self.step(admits=[adm], want_metadata=False)
             if seq_id in result.rejected:
                 raise result.rejected[seq_id]
             span.set_attribute("akv.cached_tokens", result.cached_tokens[seq_id])
@@ -676,6 +696,74 @@ class KVCacheManager:
             else:
                 result = await self.step(frees=(seq_id,), want_metadata=False)
         return bool(result.freed)
+
+    async def wait_for_room(self, seq_id: Hashable, num_tokens: int, timeout_s: float) -> None:
+        """Wait until the shard of ``seq_id`` has room for it to append ``num_tokens`` tokens.
+
+        Room means the free plus evictable (cached) blocks of the shard that
+        owns the sequence, less the blocks other sequences' reservations hold,
+        cover the new blocks the append needs plus a copy-on-write copy of a
+        shared partial tail. It is a hint, not a hold: another task may take
+        the room before this one appends (the append can still be rejected).
+        For a guarantee, reserve at admission
+        (``add_sequence(..., max_new_tokens=N)``).
+
+        Woken by the shard's frees and evictions (the eviction loop's
+        included) through an event, never by polling. Cancellation-safe: it
+        only reads, so a cancelled wait leaves nothing behind.
+
+        Every handler that waits while holding blocks keeps them from the
+        others: when all of them wait, nobody frees and the pool starves.
+        Bound the wait and give the blocks back on timeout::
+
+            try:
+                await kv.wait_for_room(seq_id, 1, timeout_s=2.0)
+            except PoolExhausted:
+                await kv.free(seq_id, preempted=True)  # re-admit later, or answer 503
+                raise
+            await kv.append(seq_id, token)
+
+        Args:
+            seq_id: A live sequence.
+            num_tokens: Tokens about to be appended (an ``int >= 1``).
+            timeout_s: Longest wait, in seconds (a real ``>= 0``;
+                ``math.inf`` waits without limit).
+
+        Raises:
+            PoolExhausted: No room after ``timeout_s``, with the numbers of the
+                last look (blocks needed, free blocks this sequence may take,
+                evictable blocks).
+            UnknownSequence: ``seq_id`` is not live (or was freed meanwhile).
+            RequestTooLarge: The sequence would hold more blocks than its shard.
+            InvalidInput: A bad ``seq_id``, ``num_tokens`` or ``timeout_s``.
+            ActorCrashed, ManagerClosed: The manager is not running.
+        """
+        self._check_running()
+        _check_id(seq_id, "sequence id")
+        if not isinstance(num_tokens, (int, np.integer)) or isinstance(num_tokens, (bool, np.bool_)) or num_tokens < 1:
+            raise InvalidInput(f"num_tokens must be an int >= 1, got {num_tokens!r}")
+        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s >= 0:
+            raise InvalidInput(f"timeout_s must be a real number >= 0 (math.inf: no limit), got {timeout_s!r}")
+        if len(self._shards) == 1:
+            shard = self._shards[0]
+        elif seq_id in self._route:
+            shard = self._shards[self._route[seq_id]]
+        else:
+            raise UnknownSequence(seq_id)
+        msg = Room(seq_id, int(num_tokens))
+        changed = shard.room_changed()  # taken before each look: a change after it is not missed
+        last = [await self._ask(shard, msg)]
+        if _fits(last[-1]):
+            return
+        with anyio.move_on_after(timeout_s):
+            while True:
+                await changed.wait()
+                changed = shard.room_changed()
+                if _fits(await self._ask(shard, msg, last.append)):
+                    return
+        if _fits(last[-1]):  # the deadline passed while the last look was being served
+            return
+        raise PoolExhausted(*last[-1])
 
     # ---------------------------------------------------------------- metrics
     @property
@@ -790,6 +878,7 @@ class KVCacheManager:
             sequences_resumed=sum(x.sequences_resumed for x in c),
             resumed_prompt_tokens=sum(x.resumed_prompt_tokens for x in c),
             resumed_cached_tokens=sum(x.resumed_cached_tokens for x in c),
+            reserved_blocks=sum(s.reserved for s in shard_stats),
         )
 
     async def check(self) -> None:
@@ -797,7 +886,8 @@ class KVCacheManager:
 
         Checks every block's state against refcounts and block tables, the free
         queue, the LRU list, that exactly the published blocks are in the
-        prefix tree, and that the tree's links are consistent.
+        prefix tree, that the tree's links are consistent, and that the
+        reservations' earmarks add up (at most the free blocks).
 
         Raises:
             ActorCrashed: An inconsistency was found (the check's AssertionError
@@ -893,6 +983,26 @@ def _mapping(values: Any, what: str) -> Mapping:
     if not isinstance(values, Mapping):
         raise InvalidInput(f"{what} must be a mapping of sequence id -> value, got {type(values).__name__}")
     return values
+
+
+def _fits(room: tuple[int, int, int]) -> bool:
+    """Whether a :class:`Room` reply ``(need, free, evictable)`` says there is room."""
+    need, free, evictable = room
+    return need <= free + evictable
+
+
+def _max_new_tokens(adm: Admit) -> int | None:
+    """``adm.max_new_tokens`` as a Python int (or None).
+
+    Raises:
+        InvalidInput: Not None and not an integer >= 0 (a bool is refused).
+    """
+    n = adm.max_new_tokens
+    if n is None:
+        return None
+    if not isinstance(n, (int, np.integer)) or isinstance(n, (bool, np.bool_)) or n < 0:
+        raise InvalidInput(f"Admit {adm.seq_id!r}: max_new_tokens must be None or an int >= 0, got {n!r}")
+    return int(n)
 
 
 def _append_tokens(seq_id: Hashable, tokens: Any, vocab_size: int) -> int | np.ndarray:

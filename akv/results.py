@@ -108,6 +108,9 @@ class CacheStats:
         block_size: Tokens per block.
         free, active, cached, in_flight: Blocks per state; they add up to
             ``num_blocks`` at every quiescent point.
+        reserved_blocks: Of the ``free`` blocks, those earmarked by
+            reservations (``Admit(max_new_tokens=...)``): only their sequences
+            may take them (see :mod:`akv.core.reservation`).
         usage: ``1 - free / num_blocks`` (0.0-1.0).
         num_sequences: Live sequences.
         prefix_cache_blocks: Blocks in the prefix tree.
@@ -154,3 +157,4 @@ class CacheStats:
     sequences_resumed: int = 0
     resumed_prompt_tokens: int = 0
     resumed_cached_tokens: int = 0
+    reserved_blocks: int = 0

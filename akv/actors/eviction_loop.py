@@ -1,7 +1,8 @@
 """Eviction loop: a control loop that keeps every shard's free blocks above its low watermark.
 
-The shards publish their free blocks after every message and set a wake-up
-event when they drop below the low watermark. The loop then asks that shard to
+The shards publish their free blocks after every message (less those that
+reservations earmark: those are taken, see :mod:`akv.core.reservation`) and
+set a wake-up event when they drop below the low watermark. The loop then asks that shard to
 evict cached leaves (first in the eviction policy's order) in batches of
 ``eviction_batch_blocks`` until its free blocks reach the high watermark or
 nothing is left to evict, logging one ``eviction.batch`` line per batch. Both

@@ -52,6 +52,14 @@ class Inspect:
 
 
 @dataclass(frozen=True, slots=True)
+class Room:
+    """Reply ``(need, free, evictable)`` blocks for appending ``num_tokens`` to ``seq_id`` (see ``ShardState.room``)."""
+
+    seq_id: Hashable
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class Stats:
     """Reply a :class:`~akv.actors.pool_shard.ShardStats` snapshot (after settling finished copies)."""
 

@@ -11,8 +11,13 @@ submit), and their source and destination blocks stay pinned until the copy
 has run: neither can be handed out again while the copy may still read or
 write it.
 
-After every message it publishes its free fraction and, below the low
-watermark, wakes the eviction loop (a hint through an event, not an ask).
+After every message it publishes its free fraction and its unreserved free
+blocks and, below the low watermark, wakes the eviction loop (a hint through
+an event, not an ask). Blocks earmarked by reservations count as taken there.
+Tasks waiting for room (``KVCacheManager.wait_for_room``) wait on
+:meth:`PoolShardActor.room_changed`, set after a message that freed
+sequences, evicted blocks or raised the free plus evictable blocks, and when
+the actor stops.
 """
 
 from __future__ import annotations
@@ -22,9 +27,12 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from akv.actors.messages import Check, Evict, Inspect, Lookup, Stats, Step, Validate
+import anyio
+
+from akv.actors.messages import Check, Evict, Inspect, Lookup, Room, Stats, Step, Validate
 from akv.actors.runtime import Actor
 from akv.core.radix_tree import RadixTree
+from akv.core.reservation import row_reserved
 from akv.core.shard_state import ShardCounters, ShardState, apply_tree_ops, drive
 from akv.core.step import StepOutcome, StepRequest
 from akv.errors import AkvError, PoolExhausted
@@ -45,6 +53,9 @@ class SequenceInfo:
         block_ids: Its block table (logical order).
         token_ids: Its token history.
         parent_id: Parent if forked.
+        max_tokens: Tokens its reservation covers (prompt plus
+            ``max_new_tokens``), or None without one.
+        reserved_blocks: Free blocks earmarked for it now.
     """
 
     seq_id: Hashable
@@ -56,6 +67,8 @@ class SequenceInfo:
     block_ids: tuple[int, ...]
     token_ids: tuple[int, ...]
     parent_id: Hashable | None
+    max_tokens: int | None = None
+    reserved_blocks: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,6 +86,7 @@ class ShardStats:
     max_inbox_depth: int
     blocks_freed: int = 0
     prefix_cache_blocks: int = 0
+    reserved: int = 0
 
 
 class PoolShardActor(Actor):
@@ -122,15 +136,42 @@ class PoolShardActor(Actor):
         self._pinned: list[tuple[Any, list[int]]] = []  # (ticket, source blocks)
         #: Free fraction after the last message (0.0-1.0), read by the eviction loop.
         self.free_fraction = 1.0
-        #: Free blocks after the last message, read by the eviction loop.
+        #: Free blocks no reservation holds after the last message, read by the eviction loop.
         self.num_free = state.pool.num_free
         #: Referenced (active) plus in-flight blocks after the last message.
         self.blocks_in_use = 0
-        #: Free plus evictable (cached) blocks after the last message.
+        #: Unreserved free plus evictable (cached) blocks after the last message.
         self.blocks_available = state.pool.num_blocks
+        self._room_event: anyio.Event | None = None  # made on demand: no waiter, no cost
+        self._room_hint = False  # the message being served freed sequences or evicted blocks
+
+    def room_changed(self) -> anyio.Event:
+        """An event set once room may have grown (or the actor stopped); take it before asking :class:`Room`.
+
+        Set after the first later message that freed a sequence, evicted
+        blocks or raised :attr:`blocks_available`; a fresh event after that.
+        """
+        if self._room_event is None:
+            self._room_event = anyio.Event()
+        return self._room_event
+
+    def close(self) -> None:
+        """Close as :meth:`Actor.close`, and wake the tasks waiting for room (their next ask fails)."""
+        super().close()
+        self._wake_room()
+
+    def stop(self, error: BaseException) -> None:
+        """Stop as :meth:`Actor.stop`, and wake the tasks waiting for room (their next ask fails)."""
+        super().stop(error)
+        self._wake_room()
+
+    def _wake_room(self) -> None:
+        if self._room_event is not None:
+            self._room_event.set()
+            self._room_event = None
 
     def handle(self, msg: Any) -> Any:
-        """Serve :class:`Step`, :class:`Validate`, :class:`Evict`, :class:`Lookup`, :class:`Inspect`, :class:`Stats` or :class:`Check`.
+        """Serve :class:`Step`, :class:`Validate`, :class:`Evict`, :class:`Lookup`, :class:`Room`, :class:`Inspect`, :class:`Stats` or :class:`Check`.
 
         Synchronous (it never awaits), so the runtime may run it on an asking
         task when the shard is idle (see :mod:`akv.actors.runtime`).
@@ -153,12 +194,16 @@ class PoolShardActor(Actor):
                         }
                     )
             self._log_step(msg.request, outcome)
+            self._room_hint = bool(outcome.freed or outcome.evicted_blocks)
             result: Any = (outcome, ticket)
         elif isinstance(msg, Validate):
             self.state.validate(msg.request)
             result = None
         elif isinstance(msg, Evict):
             result = drive(self.state.evict(msg.max_blocks), self.tree)
+            self._room_hint = result > 0
+        elif isinstance(msg, Room):
+            result = self.state.room(msg.seq_id, msg.num_tokens)
         elif isinstance(msg, Lookup):
             (result,) = apply_tree_ops(self.tree, [self.state.lookup_op(msg.namespace, msg.prompt)])
         elif isinstance(msg, Inspect):
@@ -259,10 +304,14 @@ class PoolShardActor(Actor):
 
     def _after(self) -> None:
         pool = self.state.pool
-        self.num_free = free = pool.num_free
-        self.free_fraction = free / pool.num_blocks
+        self.num_free = free = pool.num_free - self.state.num_reserved
+        self.free_fraction = pool.num_free / pool.num_blocks
         self.blocks_in_use = pool.num_active + pool.num_in_flight
-        self.blocks_available = pool.num_free + pool.num_cached
+        available = free + pool.num_cached
+        if self._room_event is not None and (self._room_hint or available > self.blocks_available):
+            self._wake_room()
+        self._room_hint = False
+        self.blocks_available = available
         if free < self.low_free_blocks and pool.num_cached:
             self.wake_eviction()
         if self.debug_invariants:
@@ -270,6 +319,8 @@ class PoolShardActor(Actor):
 
     def _inspect(self, seq_id: Hashable) -> SequenceInfo:
         seq = self.state.get(seq_id)
+        tables, row = self.state.tables, seq.row
+        max_tokens = int(tables.max_tokens[row])
         return SequenceInfo(
             seq_id=seq.seq_id,
             shard=self.state.shard_index,
@@ -280,6 +331,8 @@ class PoolShardActor(Actor):
             block_ids=tuple(seq.block_ids.tolist()),
             token_ids=tuple(self.state.token_ids(seq).tolist()),
             parent_id=seq.parent_id,
+            max_tokens=max_tokens or None,
+            reserved_blocks=row_reserved(tables, row, self.state.block_size),
         )
 
     def _stats(self) -> ShardStats:
@@ -297,4 +350,5 @@ class PoolShardActor(Actor):
             max_inbox_depth=self.max_inbox_depth,
             blocks_freed=pool.blocks_freed,
             prefix_cache_blocks=len(self.tree),
+            reserved=self.state.num_reserved,
         )

@@ -35,9 +35,26 @@ class BlockTables:
         shared_tail: bool ``(row_capacity,)``: the row's last block may also be
             held by another row (set by a fork, cleared once the row writes a
             block of its own); a decode step checks the refcount only there.
+        max_tokens: int64 ``(row_capacity,)``: tokens the row's reservation
+            covers (prompt plus ``max_new_tokens``), 0 without a reservation
+            (see :mod:`akv.core.reservation`).
+        cow_reserved: bool ``(row_capacity,)``: one block is earmarked for the
+            copy-on-write copy of the row's shared partial tail (set by a fork
+            of a reserved row, cleared once the row writes its tail).
     """
 
-    __slots__ = ("_cols", "_free_rows", "_next_row", "array", "lens", "num_computed", "num_tokens", "shared_tail")
+    __slots__ = (
+        "_cols",
+        "_free_rows",
+        "_next_row",
+        "array",
+        "cow_reserved",
+        "lens",
+        "max_tokens",
+        "num_computed",
+        "num_tokens",
+        "shared_tail",
+    )
 
     def __init__(self, rows: int = 64, cols: int = 64) -> None:
         self.array = np.zeros((rows, cols), dtype=np.int32)
@@ -45,6 +62,8 @@ class BlockTables:
         self.num_tokens = np.zeros(rows, dtype=np.int64)
         self.num_computed = np.zeros(rows, dtype=np.int64)
         self.shared_tail = np.zeros(rows, dtype=bool)
+        self.max_tokens = np.zeros(rows, dtype=np.int64)
+        self.cow_reserved = np.zeros(rows, dtype=bool)
         self._free_rows: list[int] = []
         self._next_row = 0
         self._cols = np.arange(cols)  # column indices, for masks in release_many
@@ -60,6 +79,8 @@ class BlockTables:
             self.num_tokens[row] = 0
             self.num_computed[row] = 0
             self.shared_tail[row] = False
+            self.max_tokens[row] = 0
+            self.cow_reserved[row] = False
         else:
             row = self._next_row
             self._next_row += 1
@@ -123,7 +144,7 @@ class BlockTables:
         self.array = grown
         self._cols = np.arange(cols)
         if rows > r:
-            for name in ("lens", "num_tokens", "num_computed", "shared_tail"):
+            for name in ("lens", "num_tokens", "num_computed", "shared_tail", "max_tokens", "cow_reserved"):
                 old = getattr(self, name)
                 new = np.zeros(rows, dtype=old.dtype)
                 new[:r] = old
@@ -183,7 +204,11 @@ class BlockTableRow:
         owner.lens[r] = n
 
     def copy_to(self, other: BlockTableRow) -> None:
-        """Make ``other`` (an empty row of the same owner) a copy of this row: blocks and counters."""
+        """Make ``other`` (an empty row of the same owner) a copy of this row: blocks and counters.
+
+        The reservation (``max_tokens``, ``cow_reserved``) is not copied: a
+        fork's child is an ordinary sequence.
+        """
         owner, src, dst = self.owner, self.row, other.row
         n = owner.lens[src]
         owner.array[dst, :n] = owner.array[src, :n]

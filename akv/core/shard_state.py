@@ -34,6 +34,7 @@ import numpy as np
 from akv.core.block_pool import CACHED, BlockPool
 from akv.core.block_table import BlockTables
 from akv.core.radix_tree import RadixTree, block_keys
+from akv.core.reservation import admission_reserve, fork_earmarks, reserved_blocks, row_reserved
 from akv.core.sequence import Sequence
 from akv.core.step import StepOutcome, StepRequest, empty_metadata
 from akv.errors import DuplicateSequence, InvalidInput, PoolExhausted, RequestTooLarge, UnknownSequence
@@ -208,6 +209,10 @@ class ShardState:
         self.counters = ShardCounters()
         #: Block-table references held by live sequences (equals pool.total_refs).
         self.table_refs = 0
+        #: Free blocks earmarked by reservations (see :mod:`akv.core.reservation`); <= pool.num_free.
+        self.num_reserved = 0
+        #: Live sequences admitted with a reservation (0: no reservation code runs).
+        self.num_reserved_seqs = 0
 
     # ------------------------------------------------------------------ queries
     def namespace_key(self, namespace: Hashable) -> tuple:
@@ -261,6 +266,12 @@ class ShardState:
         checked = self.validate(req)
         bs, seqs, pool, tables = self.block_size, self.sequences, self.pool, self.tables
         out = StepOutcome()
+        earmarks: list[int] = []
+        if req.forks and self.num_reserved_seqs:
+            # Made before anything is applied: frees only add room, commits take none.
+            earmarks = fork_earmarks(tables, [seqs[p].row for p, _ in req.forks], bs)
+            if earmarks:
+                out.evicted_blocks += yield from self._room_for_earmarks(len(earmarks))
 
         if req.frees:
             self._free(req, out)
@@ -284,6 +295,9 @@ class ShardState:
                 seqs[child_id] = child
                 self.rows[child_id] = child.row
                 self.counters.forks += 1
+        if earmarks:
+            tables.cow_reserved[earmarks] = True
+            self.num_reserved += len(earmarks)
 
         # Batch the matches of ordinary admissions with the inserts in one tree message.
         bs_keys = (
@@ -332,8 +346,9 @@ class ShardState:
                 tail = start % bs != 0 and pool.refcount(blocks.last()) > 1
                 total = (start + k + bs - 1) // bs
                 need = total - len(blocks) + tail
-                if need > pool.num_free or total > pool.num_blocks:
-                    err = yield from self._make_room(need, total, protected, out)
+                own = row_reserved(tables, row, bs) if self.num_reserved_seqs else 0
+                if need > pool.num_free - self.num_reserved + own or total > pool.num_blocks:
+                    err = yield from self._make_room(need, total, protected, out, own)
                     if err is not None:
                         out.rejected[seq_id] = err
                         continue
@@ -345,6 +360,9 @@ class ShardState:
                     self.table_refs += need
                     self.counters.blocks_allocated += need
                 tables.shared_tail[row] = False
+                if own:
+                    tables.cow_reserved[row] = False
+                    self.num_reserved += row_reserved(tables, row, bs) - own
                 self._write_tokens(row, start, np.array([tokens], dtype=np.int32) if single else tokens)
                 tables.num_tokens[row] = start + k
                 sched_ids.append(seq_id)
@@ -374,7 +392,8 @@ class ShardState:
                     hits = hits + results[-1]
             total = -(-length // bs)
             need = total - len(hits)
-            err = yield from self._make_room(need, total, protected, out)
+            reserve = admission_reserve(length, adm.max_new_tokens, bs)
+            err = yield from self._make_room(need + reserve, total + reserve, protected, out)
             protected.discard(i)
             if err is not None:
                 out.rejected[adm.seq_id] = err
@@ -392,6 +411,10 @@ class ShardState:
             self._write_tokens(row, cached, prompt[cached:])
             tables.num_tokens[row] = length
             tables.num_computed[row] = cached
+            if adm.max_new_tokens is not None:
+                tables.max_tokens[row] = length + adm.max_new_tokens
+                self.num_reserved += reserve
+                self.num_reserved_seqs += 1
             seq.num_published = len(hits)
             seq.num_cached_tokens = cached
             seqs[adm.seq_id] = seq
@@ -476,6 +499,8 @@ class ShardState:
         for parent_id, _ in req.forks:
             if parent_id in created and parent_id not in seqs:
                 raise InvalidInput(f"fork of {parent_id!r}, a child created in the same step; fork it next step")
+        if req.forks and self.num_reserved_seqs:
+            self._check_earmark_room(req.forks)
         appends = req.appends
         if appends:
             keys = appends.keys()
@@ -600,17 +625,27 @@ class ShardState:
         new_block = pos % bs == 0
         maybe_shared = np.flatnonzero(tables.shared_tail[rows] & ~new_block).tolist()
         num_new = int(np.count_nonzero(new_block))
-        if num_new + len(maybe_shared) > pool.num_free:  # at most one copy per flagged row
-            # Exact copies: rows copy in order while their tail is still shared,
-            # so a tail held R times by k rows of the batch is copied min(k, R - 1) times.
-            holders: dict[int, int] = {}
-            for i in maybe_shared:
-                b = tables.last_block(int(rows[i]))
-                holders[b] = holders.get(b, 0) + 1
-            copies = sum(min(k, pool.refcount(b) - 1) for b, k in holders.items())
-            if num_new + copies > pool.num_free:
-                self._decode_shortfall = num_new + copies - pool.num_free
-                return None
+        released = 0  # earmarked blocks this batch takes or gives back
+        if self.num_reserved_seqs:
+            # A row allocates at most one block (a new block or a copy); a row
+            # with an earmark takes it from there, the others from the free
+            # blocks no reservation holds. Afterwards every row's copy earmark
+            # is gone (used or, its tail written in place, given back) and each
+            # new block of a row with earmarked blocks came out of them.
+            ahead = np.maximum(-(-tables.max_tokens[rows] // bs) - tables.lens[rows], 0) > 0
+            cow = tables.cow_reserved[rows]
+            released = int(np.count_nonzero(new_block & ahead)) + int(np.count_nonzero(cow))
+            short = self._decode_short(
+                rows,
+                [i for i in maybe_shared if not cow[i]],
+                int(np.count_nonzero(new_block & ~ahead)),
+                pool.num_free - self.num_reserved,
+            )
+        else:
+            short = self._decode_short(rows, maybe_shared, num_new, pool.num_free)
+        if short:
+            self._decode_shortfall = short
+            return None
         for i in maybe_shared:  # in order: the last holder of a shared tail writes in place
             r = int(rows[i])
             if pool.refcount(tables.last_block(r)) > 1:
@@ -624,10 +659,27 @@ class ShardState:
             self.table_refs += num_new
             self.counters.blocks_allocated += num_new
         tables.shared_tail[rows] = False
+        if released:
+            tables.cow_reserved[rows] = False
+            self.num_reserved -= released
         slots = tables.array[rows, pos // bs].astype(np.int64) * bs + pos % bs
         self._flat_tokens[slots - self._first_slot] = np.fromiter(values, dtype=np.int64, count=n)
         tables.num_tokens[rows] = pos + 1
         return ids, rows, pos, slots
+
+    def _decode_short(self, rows: np.ndarray, shared: list[int], num_new: int, free: int) -> int:
+        """Blocks a decode batch lacks: ``num_new`` new blocks plus the copies of ``shared`` rows, against ``free``."""
+        if num_new + len(shared) <= free:  # at most one copy per flagged row
+            return 0
+        # Exact copies: rows copy in order while their tail is still shared,
+        # so a tail held R times by k rows of the batch is copied min(k, R - 1) times.
+        pool, tables = self.pool, self.tables
+        holders: dict[int, int] = {}
+        for i in shared:
+            b = tables.last_block(int(rows[i]))
+            holders[b] = holders.get(b, 0) + 1
+        copies = sum(min(k, pool.refcount(b) - 1) for b, k in holders.items())
+        return max(0, num_new + copies - free)
 
     def _copy_on_write(self, seq_id: Hashable, row: int, out: StepOutcome) -> None:
         """Give ``row`` a private copy of its shared partial tail block (K/V copy queued in ``out``)."""
@@ -682,6 +734,10 @@ class ShardState:
                 self.counters.preemptions += 1
         if not freed_rows:
             return
+        if self.num_reserved_seqs:
+            r = np.array(freed_rows, dtype=np.intp)
+            self.num_reserved -= int(reserved_blocks(self.tables, r, self.block_size).sum())
+            self.num_reserved_seqs -= int(np.count_nonzero(self.tables.max_tokens[r]))
         ids = self.tables.release_many(freed_rows)
         self.pool.decref(ids, distinct=len(freed_rows) == 1)
         self.table_refs -= len(ids)
@@ -726,28 +782,80 @@ class ShardState:
         pool = self.pool
         return pool.num_cached - sum(1 for b in protected if pool.state(b) == CACHED)
 
-    def _make_room(self, need: int, total: int, protected: PendingHits, out: StepOutcome) -> TreeGen:
-        """Ensure ``need`` free blocks, evicting if needed; return an error instead if impossible.
+    def _make_room(self, need: int, total: int, protected: PendingHits, out: StepOutcome, own: int = 0) -> TreeGen:
+        """Ensure ``need`` free blocks for one sequence, evicting if needed; return an error instead if impossible.
 
         ``total`` is the blocks the sequence will hold in all: more than the
-        shard has can never be served (:class:`RequestTooLarge`).
+        shard has can never be served (:class:`RequestTooLarge`). ``own`` is
+        the blocks earmarked for this sequence: it may take those and the
+        free blocks no reservation holds.
         """
         pool = self.pool
         if total > pool.num_blocks:
             return RequestTooLarge(total, pool.num_blocks)
-        if need <= pool.num_free:
+        held = self.num_reserved - own  # earmarked for other sequences
+        if need <= pool.num_free - held:
             return None
         evictable = self._evictable(protected.blocks())
-        if need > pool.num_free + evictable:
+        if need > pool.num_free - held + evictable:
             self.counters.pool_exhausted += 1
-            return PoolExhausted(need, pool.num_free, evictable)
-        out.evicted_blocks += yield from self._evict(need - pool.num_free, protected.blocks())
-        if need > pool.num_free:
+            return PoolExhausted(need, pool.num_free - held, evictable)
+        out.evicted_blocks += yield from self._evict(need - pool.num_free + held, protected.blocks())
+        if need > pool.num_free - held:
             # Cached blocks above a published block that a pending copy still
             # pins cannot be evicted (only leaves can) until the copy has run.
             self.counters.pool_exhausted += 1
-            return PoolExhausted(need, pool.num_free, pool.num_cached)
+            return PoolExhausted(need, pool.num_free - held, pool.num_cached)
         return None
+
+    def _check_earmark_room(self, forks) -> None:
+        """Raise :class:`PoolExhausted` unless free plus evictable blocks cover the forks' earmarks."""
+        rows = [self.sequences[p].row for p, _ in forks]
+        n = len(fork_earmarks(self.tables, rows, self.block_size))
+        free = self.pool.num_free - self.num_reserved
+        if n > free + self.pool.num_cached:
+            raise PoolExhausted(n, free, self.pool.num_cached)
+
+    def _room_for_earmarks(self, num_blocks: int) -> TreeGen:
+        """Evict until ``num_blocks`` unreserved free blocks exist; return the blocks evicted.
+
+        Raises:
+            PoolExhausted: Still short after evicting (nothing of the step is applied yet).
+        """
+        pool = self.pool
+        short = num_blocks - (pool.num_free - self.num_reserved)
+        evicted = (yield from self._evict(short, frozenset())) if short > 0 else 0
+        if num_blocks > pool.num_free - self.num_reserved:
+            self.counters.pool_exhausted += 1
+            raise PoolExhausted(num_blocks, pool.num_free - self.num_reserved, pool.num_cached)
+        return evicted
+
+    def room(self, seq_id: Hashable, num_tokens: int) -> tuple[int, int, int]:
+        """Blocks ``seq_id`` needs to append ``num_tokens`` tokens, and the room there is for them (pure).
+
+        Args:
+            seq_id: A live sequence.
+            num_tokens: Tokens to append (>= 1).
+
+        Returns:
+            ``(need, free, evictable)``: new blocks plus a copy-on-write copy
+            of a shared partial tail; free blocks this sequence may take (the
+            unreserved ones plus its own earmark); cached blocks. There is room
+            when ``need <= free + evictable``.
+
+        Raises:
+            UnknownSequence: Not live.
+            RequestTooLarge: The sequence would hold more blocks than the shard.
+        """
+        seq, pool, bs = self.get(seq_id), self.pool, self.block_size
+        row = seq.row
+        start = int(self.tables.num_tokens[row])
+        total = -(-(start + num_tokens) // bs)
+        if total > pool.num_blocks:
+            raise RequestTooLarge(total, pool.num_blocks)
+        tail = start % bs != 0 and pool.refcount(seq.block_ids.last()) > 1
+        own = row_reserved(self.tables, row, bs) if self.num_reserved_seqs else 0
+        return total - len(seq.block_ids) + tail, pool.num_free - self.num_reserved + own, pool.num_cached
 
     def _evict_for_admissions(self, admits: list, matches: dict[int, list[int]], protected: PendingHits) -> TreeGen:
         """Evict the whole step's admission shortfall in one pass; return the blocks evicted.
@@ -765,9 +873,10 @@ class ShardState:
         for i, adm in enumerate(admits):
             length = len(adm.prompt)
             total = -(-length // bs)
-            if total <= pool.num_blocks:
-                need += total - min(len(matches.get(i, ())), (length - 1) // bs)
-        short = need - pool.num_free
+            reserve = admission_reserve(length, adm.max_new_tokens, bs)
+            if total + reserve <= pool.num_blocks:
+                need += total + reserve - min(len(matches.get(i, ())), (length - 1) // bs)
+        short = need - (pool.num_free - self.num_reserved)
         if short <= 0 or short > self._evictable(protected.blocks()):
             return 0
         evicted = yield from self._evict(short, protected.blocks())
@@ -855,9 +964,25 @@ class ShardState:
         total = pool.num_free + pool.num_active + pool.num_cached + pool.num_in_flight
         if total != pool.num_blocks:
             raise AssertionError(f"shard {self.shard_index}: block states add up to {total}, not {pool.num_blocks}")
+        if not 0 <= self.num_reserved <= pool.num_free:
+            raise AssertionError(
+                f"shard {self.shard_index}: {self.num_reserved} reserved of {pool.num_free} free blocks"
+            )
         if pool.total_refs != self.table_refs:
             raise AssertionError(
                 f"shard {self.shard_index}: refcounts total {pool.total_refs} but block tables hold {self.table_refs}"
+            )
+
+    def _check_reservations(self) -> None:
+        """The earmarks of live rows add up to ``num_reserved`` (see :mod:`akv.core.reservation`)."""
+        rows = np.array([seq.row for seq in self.sequences.values()], dtype=np.intp)
+        reserved = int(reserved_blocks(self.tables, rows, self.block_size).sum())
+        if reserved != self.num_reserved:
+            raise AssertionError(f"live rows earmark {reserved} blocks but num_reserved is {self.num_reserved}")
+        seqs = int(np.count_nonzero(self.tables.max_tokens[rows]))
+        if seqs != self.num_reserved_seqs:
+            raise AssertionError(
+                f"{seqs} live rows have a reservation but num_reserved_seqs is {self.num_reserved_seqs}"
             )
 
     def check(self, tree_block_ids=None) -> None:
@@ -883,6 +1008,7 @@ class ShardState:
                 )
             for b in seq.block_ids.tolist():
                 refs[b] = refs.get(b, 0) + 1
+        self._check_reservations()
         for b, r in refs.items():
             if self.pool.refcount(b) != r:
                 raise AssertionError(f"block {b}: refcount {self.pool.refcount(b)} but {r} block-table references")

@@ -27,6 +27,11 @@ class Admit:
             plus the tokens it had generated). Its prompt and cached tokens go
             to the ``resumed_*`` counters, so the prefix-cache hit ratio counts
             each request's first admission only.
+        max_new_tokens: Reserve room for this many tokens after the prompt
+            (an ``int >= 0``), so appends up to ``len(prompt) + max_new_tokens``
+            tokens never lack blocks; the admission is rejected instead when
+            that room is not there. ``None``: no reservation. See
+            :mod:`akv.core.reservation`.
     """
 
     seq_id: Hashable
@@ -34,6 +39,7 @@ class Admit:
     namespace: Hashable = None
     prefill_done: bool = False
     resumed: bool = False
+    max_new_tokens: int | None = None
 
 
 @dataclass(kw_only=True, slots=True)
