@@ -419,6 +419,19 @@ def versions(pb: Any) -> dict:
     return out
 
 
+def one_torch_thread() -> int:
+    """Pin torch (and OpenMP) to one thread for every manager in this process; return the count.
+
+    SGLang's CPU path slows 4-9x under load with torch's default thread count, which would
+    flatter akv; one thread each makes the comparison measure the managers, not the machine.
+    """
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+    return torch.get_num_threads()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", choices=["small", "large"], default="large", help="peer_bench preset (default large)")
@@ -440,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    torch_threads = one_torch_thread()
+    print(f"torch threads: {torch_threads} for every manager (OMP_NUM_THREADS=1, torch.set_num_threads(1))")
     logging.getLogger("vllm").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     pb = load_peer_bench(Path(a.peer_bench))
@@ -465,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         "async_backend": a.async_backend,
         "workload": asdict(w),
         "versions": versions(pb),
+        "torch_threads": torch_threads,
         "loadavg_before": load0,
         "loadavg_after": list(os.getloadavg()),
         "stubs": list(getattr(pb, "_SGLANG_STUBS", [])),

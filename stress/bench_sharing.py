@@ -285,8 +285,12 @@ def plot(rows: list[dict], path: Path) -> None:
                 x + (i - (len(labels) - 1) / 2) * bar_w, [saving[w] for w in widths], bar_w, label=label, zorder=2
             )
             ax.bar_label(bars, fmt="%.0f", fontsize=6)
-        for (dataset, (lo, hi)), color in zip(PAPER_RANGES[kind].items(), ("tab:green", "tab:red")):
-            ax.axhspan(lo, hi, color=color, alpha=0.15, zorder=0, label=f"paper, {dataset} ({lo}-{hi}%)")
+        # The paper's ranges in colours and hatches that no bar uses.
+        for (dataset, (lo, hi)), color, hatch in zip(
+            PAPER_RANGES[kind].items(), ("tab:gray", "tab:olive"), ("//", "..")
+        ):
+            label = f"paper, {dataset}, {kind} ({lo}-{hi}%)"
+            ax.axhspan(lo, hi, facecolor=color, alpha=0.2, hatch=hatch, edgecolor=color, lw=0, zorder=0, label=label)
         ax.set_xticks(x, [str(w) for w in widths])
         ax.set_title(title)
         ax.set_ylim(0, 100)

@@ -528,7 +528,11 @@ def cmd_run(a, argv) -> int:
     import logging
     import warnings
 
+    from bench_peers import one_torch_thread  # stress/ is on sys.path: scripts run from there
+
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    torch_threads = one_torch_thread()
+    print(f"torch threads: {torch_threads} for every manager (OMP_NUM_THREADS=1, torch.set_num_threads(1))")
     logging.getLogger("vllm").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     from akv.obs import configure_logging
@@ -589,6 +593,8 @@ def cmd_run(a, argv) -> int:
         "pool_blocks": pool,
         "skipped": len(sch["skipped"]),
         "machine": machine(),
+        "torch_threads": torch_threads,
+        "loadavg": list(os.getloadavg()),
         "stubs": list(pb._SGLANG_STUBS),
         "results": results,
     }
