@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from akv.core.radix_tree import RadixTree, block_keys
@@ -269,6 +269,16 @@ def _cached_batch(model: _ModelTree, deepest_first: bool, rnd) -> list[int]:
 
 @settings(max_examples=300, deadline=None)
 @given(_tree_ops())
+# A chain 1-2-3 with a branch 4 below 2: removing the inner blocks 2 and 1
+# before (and after) their children must be refused, then succeed leaf first.
+@example(
+    [
+        ("insert", None, [key(0, 0, 0, 0), key(1, 0, 0, 0), key(2, 0, 0, 0)], [1, 2, 3]),
+        ("insert", 2, [key(0, 0, 0, 0)], [4]),
+        ("remove", [2, 1, 3]),
+        ("remove", [1, 4, 2, 1]),
+    ]
+)
 def test_insert_and_remove_agree_with_a_plain_model(ops) -> None:
     """Random chains in, random and in-tree batches out: the results (published
     counts, removed and refused ids, errors, every path and leaf) equal the
