@@ -20,17 +20,18 @@ a uvloop pass this way). Tests that parametrize ``anyio_backend`` themselves
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import pytest
 from hypothesis import settings
 
-import akv
-from akv.config import KVCacheConfig
+if TYPE_CHECKING:
+    from akv.config import KVCacheConfig
 
 #: Examples per hypothesis test in the ``ci`` profile (tests with their own ``max_examples`` keep it).
 CI_MAX_EXAMPLES = 100
@@ -85,7 +86,8 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-_AKV_DIR = str(Path(akv.__file__).parent) + os.sep
+# Where akv's modules live (found without importing akv: this conftest stays light).
+_AKV_DIR = importlib.util.find_spec("akv").submodule_search_locations[0] + os.sep
 
 
 def count_line_events(fn: Callable[[], object]) -> int:
@@ -137,6 +139,8 @@ def tiny_config() -> Callable[..., KVCacheConfig]:
     is never below 0), so eviction only happens on demand and tests can assert
     exact eviction order; pass watermarks to turn it on.
     """
+
+    from akv.config import KVCacheConfig
 
     def make(**overrides) -> KVCacheConfig:
         fields = {
