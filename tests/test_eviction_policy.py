@@ -478,6 +478,25 @@ def test_shard_evicts_in_policy_order_and_only_leaves(policy: str, ops) -> None:
                 assert pool.num_hits(blk) == model_hits.get(blk, 0), f"block {blk}"
 
 
+def test_a_policy_that_offers_inner_blocks_first_still_evicts_only_leaves() -> None:
+    # Most recently released first: a chain released deepest first offers its
+    # root block first, then the middle one; the tree refuses both (they have a
+    # cached child), so the one eviction takes the leaf.
+    mru = EvictionPolicy("mru", lambda num_hits, last_release: (-last_release,))
+    state = ShardState(0, range(100, 110), BS, eviction_policy=mru)
+    tree = RadixTree()
+    prompt = np.arange(1, 14, dtype=np.int32)  # three full blocks (100, 101, 102) and a partial tail (103)
+    drive(state.step(StepRequest(admits=[Admit(seq_id="a", prompt=prompt, prefill_done=True)])), tree)
+    drive(state.step(StepRequest(frees=["a"])), tree)
+    assert state.pool.eviction_order() == [100, 101, 102]
+    assert drive(state.evict(1), tree) == 1
+    assert state.counters.eviction_refusals == 2
+    assert tree.block_ids() == [100, 101]
+    assert state.pool.eviction_order() == [100, 101]
+    tree.check()
+    state.check(tree.block_ids())
+
+
 # ------------------------------------------------------------------ the shipped stateful machines, per policy
 def _machine(base: type, policy: str) -> type:
     class Machine(base):
