@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from akv.core.radix_tree import RadixTree, block_keys
@@ -189,16 +189,19 @@ def test_path_of_unknown_block_raises(tree: RadixTree) -> None:
 
 # ------------------------------------------------------- against a plain model
 class _ModelTree:
-    """The tree's contract in the plainest form: (parent, key) -> block, one op at a time."""
+    """The tree's contract in the plainest form: (parent, key) -> block, one op at a time.
+
+    A namespace's root is the node ``("root", namespace)``; blocks are ints.
+    """
 
     def __init__(self) -> None:
-        self.child: dict[tuple[int | None, bytes], int] = {}
-        self.parent: dict[int, int | None] = {}
+        self.child: dict[tuple[object, bytes], int] = {}
+        self.parent: dict[int, object] = {}
 
-    def insert(self, parent: int | None, keys: list[bytes], ids: list[int]) -> int:
+    def insert(self, parent: int | None, keys: list[bytes], ids: list[int], namespace=NS) -> int:
         if parent is not None and parent not in self.parent:
             return 0
-        node, done = parent, 0
+        node, done = ("root", namespace) if parent is None else parent, 0
         for k, b in zip(keys, ids):
             found = self.child.get((node, k))
             if found is None:
@@ -215,6 +218,15 @@ class _ModelTree:
             node = b
         return len(ids)
 
+    def match(self, namespace, keys: list[bytes]) -> list[int]:
+        node, out = ("root", namespace), []
+        for k in keys:
+            node = self.child.get((node, k))
+            if node is None:
+                break
+            out.append(node)
+        return out
+
     def remove_leaves(self, ids: list[int]) -> tuple[list[int], list[int]]:
         removed, refused = [], []
         for b in ids:
@@ -227,6 +239,10 @@ class _ModelTree:
         return removed, refused
 
 
+#: Two tenants' namespaces: the same tokens under each are different prefixes.
+NAMESPACES = (NS, ("shard0", "tenant-b"))
+
+
 @st.composite
 def _tree_ops(draw):
     ops = []
@@ -236,7 +252,10 @@ def _tree_ops(draw):
             n = draw(st.integers(1, 20))
             keys = [key(t, 0, 0, 0) for t in draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))]
             ids = draw(st.lists(st.integers(0, 40), min_size=n, max_size=n))
-            ops.append(("insert", parent, keys, ids))
+            ops.append(("insert", parent, keys, ids, draw(st.sampled_from(NAMESPACES))))
+        elif draw(st.booleans()):  # a prompt's lookup, in either namespace
+            keys = [key(t, 0, 0, 0) for t in draw(st.lists(st.integers(0, 2), max_size=8))]
+            ops.append(("match", draw(st.sampled_from(NAMESPACES)), keys))
         elif draw(st.booleans()):
             ops.append(("remove", draw(st.lists(st.integers(0, 40), max_size=40))))
         elif draw(st.booleans()):  # a decode step's single-block publishes
@@ -255,7 +274,7 @@ def _tree_ops(draw):
 def _cached_batch(model: _ModelTree, deepest_first: bool, rnd) -> list[int]:
     def depth(b):
         d = 0
-        while b is not None:
+        while isinstance(b, int):
             b, d = model.parent[b], d + 1
         return d
 
@@ -269,25 +288,52 @@ def _cached_batch(model: _ModelTree, deepest_first: bool, rnd) -> list[int]:
 
 @settings(max_examples=300, deadline=None)
 @given(_tree_ops())
+# A chain 1-2-3 with a branch 4 below 2: removing the inner blocks 2 and 1
+# before (and after) their children must be refused, then succeed leaf first.
+@example(
+    [
+        ("insert", None, [key(0, 0, 0, 0), key(1, 0, 0, 0), key(2, 0, 0, 0)], [1, 2, 3], NS),
+        ("insert", 2, [key(0, 0, 0, 0)], [4], NS),
+        ("remove", [2, 1, 3]),
+        ("remove", [1, 4, 2, 1]),
+    ]
+)
+# The same tokens published by two tenants under different block ids: each
+# namespace matches its own blocks (a key without the namespace would merge them).
+@example(
+    [
+        ("insert", None, [key(0, 0, 0, 0), key(1, 0, 0, 0)], [1, 2], NS),
+        ("insert", None, [key(0, 0, 0, 0), key(1, 0, 0, 0)], [3, 4], NAMESPACES[1]),
+        ("match", NS, [key(0, 0, 0, 0), key(1, 0, 0, 0), key(2, 0, 0, 0)]),
+        ("match", NAMESPACES[1], [key(0, 0, 0, 0), key(1, 0, 0, 0)]),
+        ("remove", [2, 1]),
+        ("match", NAMESPACES[1], [key(0, 0, 0, 0)]),
+    ]
+)
 def test_insert_and_remove_agree_with_a_plain_model(ops) -> None:
-    """Random chains in, random and in-tree batches out: the results (published
-    counts, removed and refused ids, errors, every path and leaf) equal the
-    plain model's, and a rejected insert changes nothing."""
+    """Random chains in (two namespaces), lookups, random and in-tree batches out:
+    the results (published counts, matches, removed and refused ids, errors,
+    every path and leaf) equal the plain model's, and a rejected insert changes
+    nothing."""
     tree, model = RadixTree(), _ModelTree()
     for op in ops:
         if op[0] == "insert":
-            _, parent, keys, ids = op
+            _, parent, keys, ids, ns = op
             try:
-                want = model.insert(parent, keys, ids)
+                want = model.insert(parent, keys, ids, ns)
             except ValueError:
                 before = sorted(tree.block_ids())
                 with pytest.raises(
                     ValueError, match=r"already in the prefix cache elsewhere|listed twice in one chain"
                 ):
-                    tree.insert(NS, parent, keys, ids)
+                    tree.insert(ns, parent, keys, ids)
                 assert sorted(tree.block_ids()) == before
             else:
-                assert tree.insert(NS, parent, keys, ids) == want
+                assert tree.insert(ns, parent, keys, ids) == want
+        elif op[0] == "match":
+            _, ns, keys = op
+            assert tree.match(ns, keys) == model.match(ns, keys)
+            assert tree.lookup(ns, keys) == len(model.match(ns, keys))
         elif op[0] == "insert_blocks":
             saved = (dict(model.child), dict(model.parent))
             try:
@@ -307,7 +353,7 @@ def test_insert_and_remove_agree_with_a_plain_model(ops) -> None:
         assert sorted(tree.block_ids()) == sorted(model.parent)
         for b in model.parent:
             path, node = [], b
-            while node is not None:
+            while isinstance(node, int):
                 path.append(node)
                 node = model.parent[node]
             assert tree.path(b) == path[::-1]

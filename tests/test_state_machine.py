@@ -85,3 +85,43 @@ def test_rejected_admission_keeps_later_admissions_hits_protected() -> None:
     assert out.evicted_blocks == 1
     assert shard.state.sequences["small"].block_ids.tolist()[:2] == [0, 1]
     shard.check()
+
+
+# Bug shapes of issue 18, pinned (each was once seeded into akv and must stay caught).
+def test_only_full_blocks_are_published() -> None:
+    shard = Shard(8)
+    shard.step(admits=[Admit(seq_id="a", prompt=tokens(0, 1, 2, 3, 4, 5), prefill_done=True)])
+    assert shard.tree.block_ids() == [0]  # block 1 holds the partial tail 4, 5: private
+    out = shard.step(admits=[Admit(seq_id="b", prompt=tokens(0, 1, 2, 3, 4, 5, 6, 7, 8), prefill_done=True)])
+    assert out.cached_tokens == {"b": 4}
+    assert shard.state.sequences["b"].block_ids.tolist() == [0, 2, 3]
+    shard.check()
+
+
+def test_prompts_hit_only_their_own_namespace() -> None:
+    shard = Shard(8)
+    prompt = tokens(0, 1, 2, 3, 4, 5, 6, 7, 8)
+    shard.step(admits=[Admit(seq_id="a", prompt=prompt, namespace="tenant-a", prefill_done=True)])
+    out = shard.step(
+        admits=[
+            Admit(seq_id="b", prompt=prompt, namespace="tenant-b", prefill_done=True),
+            Admit(seq_id="a2", prompt=prompt, namespace="tenant-a", prefill_done=True),
+        ]
+    )
+    assert out.cached_tokens == {"b": 0, "a2": 8}
+    assert shard.state.sequences["a2"].block_ids.tolist()[:2] == [0, 1]
+    assert not set(shard.state.sequences["b"].block_ids.tolist()) & {0, 1}
+    shard.check()
+
+
+def test_freeing_a_parent_and_its_forks_in_one_step_drops_every_reference() -> None:
+    shard = Shard(8)
+    shard.step(admits=[Admit(seq_id="p", prompt=tokens(0, 1, 2, 3, 4, 5, 6, 7, 8), prefill_done=True)])
+    shard.step(forks=[("p", ["c1", "c2"])])
+    pool = shard.state.pool
+    assert [pool.refcount(b) for b in range(3)] == [3, 3, 3]
+    shard.step(frees=["c1", "p", "c2"])
+    assert [pool.refcount(b) for b in range(8)] == [0] * 8
+    assert pool.total_refs == 0
+    assert pool.counts() == {"free": 6, "active": 0, "cached": 2, "in_flight": 0}  # the two full blocks stay cached
+    shard.check()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
 import threading
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 import torch.nn.functional as F
@@ -446,46 +448,87 @@ async def test_wait_async_with_worker_run_by_anyio() -> None:
 async def test_wait_async_is_cancellable_and_does_not_block_loop() -> None:
     executor = CopyExecutor(make_storage())
     ticket = executor.submit([0], [1])  # no worker: stays pending
+    waiting = anyio.Event()
+    scope = anyio.CancelScope()
     ticks = 0
 
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await anyio.sleep(0.005)
+    async def waiter() -> None:
+        with scope:
+            waiting.set()
+            await ticket.wait_async()
 
-    with anyio.fail_after(10):
+    # Hang guard: a wait that blocked the loop would hold it until this fails the ticket.
+    guard = threading.Timer(10, executor.close, kwargs={"drain": False})
+    guard.start()
+    with anyio.fail_after(10):  # hang guard only
         async with anyio.create_task_group() as tg:
-            tg.start_soon(ticker)
-            with anyio.move_on_after(0.1) as scope:
-                await ticket.wait_async()
-            tg.cancel_scope.cancel()
-    assert scope.cancelled_caught and ticks > 2
+            tg.start_soon(waiter)
+            await waiting.wait()
+            # The loop keeps serving this task while the waiter waits (a
+            # blocking wait would hold the loop: no checkpoint would return).
+            for _ in range(5):
+                await anyio.lowlevel.checkpoint()
+                ticks += 1
+            assert not ticket.done()
+            scope.cancel()
+    guard.cancel()
+    assert scope.cancelled_caught and ticks == 5
+    assert not ticket.done()
     executor.close(drain=False)  # releases the abandoned waiting thread
     assert isinstance(ticket.exception(), ManagerClosed)
 
 
 def test_submit_is_thread_safe_and_ordered() -> None:
-    storage = make_storage(num_blocks=64)
+    # Four threads submit 32 single-block copies each, half before the worker
+    # starts (a full queue) and half while it runs. Every copy writes its own
+    # destination block (nothing is overwritten twice) and reads either the
+    # thread's previous destination or a random block, so the result depends
+    # on the order. The
+    # seq_no each submit returns is the order the copies must run in: replaying
+    # them in that order on a copy of the initial contents gives exactly the
+    # final storage, and each thread's seq_nos increase in its own order.
+    storage = make_storage(num_blocks=160)
+    fill_distinct(storage)
+    initial = [cache.clone() for cache in storage.kv_caches]
     executor = CopyExecutor(storage)
-    executor.start()
-    tickets = []
+    submitted: list[tuple[int, int, int]] = []  # (seq_no, src, dst)
+    per_thread: dict[int, list[int]] = {}
     lock = threading.Lock()
+    queued = threading.Barrier(5, timeout=30)  # the four producers and this thread
 
-    def producer(base: int) -> None:
-        for i in range(8):
-            t = executor.submit([base + i], [base + i + 32])
+    def producer(seed: int) -> None:
+        rng = random.Random(seed)
+        mine = []
+        prev = seed
+        for i in range(32):
+            if i == 16:
+                queued.wait()
+            dst = 32 + 32 * seed + i
+            # Half the copies read this thread's previous destination (a chain).
+            src = prev if rng.random() < 0.5 else rng.choice([b for b in range(160) if b != dst])
+            prev = dst
+            t = executor.submit([src], [dst])
+            mine.append(t.seq_no)
             with lock:
-                tickets.append(t)
+                submitted.append((t.seq_no, src, dst))
+        per_thread[seed] = mine
 
-    threads = [threading.Thread(target=producer, args=(b,)) for b in (0, 8, 16, 24)]
+    threads = [threading.Thread(target=producer, args=(seed,)) for seed in range(4)]
     for th in threads:
         th.start()
+    queued.wait()
+    executor.start()
     for th in threads:
         th.join()
     executor.close()
-    assert sorted(t.seq_no for t in tickets) == list(range(1, 33))
-    assert all(t.done() and t.exception() is None for t in tickets)
+    assert sorted(s for s, _, _ in submitted) == list(range(1, 129))
+    assert all(mine == sorted(mine) for mine in per_thread.values()) and len(per_thread) == 4
+    assert executor.completed_seq_no == 128
+    for _, src, dst in sorted(submitted):
+        for cache in initial:
+            cache[:, dst] = cache[:, src]
+    for got, want in zip(storage.kv_caches, initial, strict=True):
+        assert torch.equal(got, want)
 
 
 def test_model_shape_bytes_per_block_matches_storage() -> None:
