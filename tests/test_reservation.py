@@ -493,6 +493,17 @@ async def test_wait_for_room_does_not_count_cached_blocks_a_pending_copy_keeps(t
 
 
 @pytest.mark.anyio
+async def test_reserved_blocks_gauge(tiny_config) -> None:
+    async with KVCacheManager(tiny_config(num_blocks=8, num_shards=2)) as kv:
+        await kv.add_sequence("a", prompt(3), max_new_tokens=5)
+        await kv.add_sequence("b", prompt(3, 50), max_new_tokens=9)
+        assert (await kv.stats()).reserved_blocks == 3
+        assert kv.metrics_registry.get_sample_value("akv_blocks_reserved") == 3
+        await kv.free("b")
+        assert kv.metrics_registry.get_sample_value("akv_blocks_reserved") == 1
+
+
+@pytest.mark.anyio
 async def test_wait_for_room_is_cancellation_safe(tiny_config) -> None:
     async with KVCacheManager(tiny_config(num_blocks=4)) as kv:
         await kv.add_sequence("a", prompt(4))
