@@ -53,7 +53,10 @@ class PoolExhausted(AkvError):
 
     Attributes:
         requested_blocks: Blocks the call needed.
-        free_blocks: Blocks on the free queue when the call was made.
+        free_blocks: Free blocks the call could use when it was made: those
+            no reservation earmarks, plus the call's own sequence's earmark
+            (see :mod:`akv.core.reservation`); fewer than the blocks on the
+            free queue while other sequences hold reservations.
         evictable_blocks: Cached blocks with refcount 0 that eviction could
             have reclaimed (already counted as usable; the shortage remains).
     """

@@ -709,7 +709,8 @@ class KVCacheManager:
         (``add_sequence(..., max_new_tokens=N)``).
 
         Woken by the shard's frees and evictions (the eviction loop's
-        included) through an event, never by polling. Cancellation-safe: it
+        included) and by finished copies (their blocks' pins released)
+        through an event, never by polling. Cancellation-safe: it
         only reads, so a cancelled wait leaves nothing behind.
 
         Every handler that waits while holding blocks keeps them from the
@@ -780,6 +781,7 @@ class KVCacheManager:
         """Read the shards' counters and pool counts (plain reads; safe from a scrape thread)."""
         totals: dict[str, int] = {}
         blocks = {"free": 0, "active": 0, "cached": 0, "in_flight": 0}
+        reserved = 0
         for shard in list(self._shards):
             state = shard.state
             c = state.counters
@@ -791,11 +793,13 @@ class KVCacheManager:
             blocks["active"] += pool.num_active
             blocks["cached"] += pool.num_cached
             blocks["in_flight"] += pool.num_in_flight
+            reserved += state.num_reserved
         return MetricsSnapshot(
             counters=totals,
             blocks=blocks,
             num_blocks=self.config.num_blocks,
             inbox_depths={a.name: a.inbox_depth for a in list(self._actors)},
+            reserved_blocks=reserved,
         )
 
     # ---------------------------------------------------------------- queries

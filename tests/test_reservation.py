@@ -10,6 +10,7 @@ add up (``ShardState.check``).
 from __future__ import annotations
 
 import math
+import threading
 
 import anyio
 import numpy as np
@@ -44,6 +45,38 @@ async def fill(kv: KVCacheManager, tag: str) -> int:
         except PoolExhausted:
             return n
         n += 1
+
+
+def gate_copies(kv: KVCacheManager) -> threading.Event:
+    """Hold the stream worker's block copies (the real ones, run once released) until the returned event is set."""
+    gate = threading.Event()
+    copy = kv.storage._copy_unchecked
+
+    def held(src, dst) -> None:
+        gate.wait(60)
+        copy(src, dst)
+
+    kv.storage._copy_unchecked = held
+    return gate
+
+
+async def pin_below_cached(kv: KVCacheManager) -> None:
+    """Leave 2 cached blocks that cannot be evicted yet: above a published block a pending copy pins.
+
+    ``a`` (9 tokens, 2 full blocks published) forks ``c``; c's first token
+    copies the shared tail (the copy is held by :func:`gate_copies`); ``a``
+    fills that tail in place and publishes it; both are freed. The tail waits
+    in flight for its copy (so does c's copy) and its 2 cached ancestors are
+    not leaves. Takes 4 blocks of a's shard: 2 cached, 2 in flight.
+    """
+    await kv.add_sequence("a", prompt(9))
+    await kv.commit("a", 9)
+    await kv.fork("a", ["c"])
+    await kv.append("c", 7)
+    await kv.append("a", [7, 7, 7])
+    await kv.commit("a", 3)
+    await kv.free("a")
+    await kv.free("c")
 
 
 # ------------------------------------------------------------ reservations
@@ -190,6 +223,38 @@ async def test_fork_refused_when_its_earmark_does_not_fit(tiny_config) -> None:
         await kv.free("q")
         await kv.fork("p", ["c"])
         assert await counts(kv) == (3, 1, 0, 2, 2)
+        await kv.check()
+
+
+@pytest.mark.anyio
+async def test_multi_shard_step_refused_whole_when_a_fork_earmark_cannot_be_evicted_for(tiny_config) -> None:
+    """Regression: shard 0 applied its part (a free) before shard 1's fork found that its cached
+    blocks could not be evicted (above a block a pending copy pins) and raised: a half-applied
+    step. The fork's room is now checked exactly when every part is validated."""
+    async with KVCacheManager(tiny_config(num_blocks=16, num_shards=2)) as kv:
+        gate = gate_copies(kv)
+        try:
+            await kv.add_sequence("z0", prompt(4, 200))  # shard 0 (ties go to shard 0)
+            await pin_below_cached(kv)  # shard 1: 2 cached blocks, not evictable now
+            await kv.add_sequence("z1", prompt(12, 300))  # shard 0
+            await kv.add_sequence("z2", prompt(4, 400))  # shard 0
+            await kv.add_sequence("p", prompt(3, 500), max_new_tokens=13)  # shard 1: its last 3 free blocks earmarked
+            assert [(await kv.sequence(s)).shard for s in ("z0", "z1", "z2", "p")] == [0, 0, 0, 1]
+            before = await counts(kv)
+            assert before == (6, 6, 2, 3, 4)
+            with pytest.raises(PoolExhausted) as info:  # p's shared tail needs a copy block: none to be had
+                await kv.step(frees=["z2"], forks=[("p", ["q"])])
+            err = info.value
+            assert (err.requested_blocks, err.free_blocks, err.evictable_blocks) == (1, 0, 0)
+            assert await counts(kv) == before
+            assert (await kv.sequence("z2")).num_tokens == 4  # shard 0's part was not applied
+            with pytest.raises(UnknownSequence):
+                await kv.sequence("q")
+        finally:
+            gate.set()
+        await kv.wait_copies()  # the tail's pin is released: its ancestors can be evicted
+        await kv.step(frees=["z2"], forks=[("p", ["q"])])
+        assert (await kv.sequence("q")).shard == 1
         await kv.check()
 
 
@@ -358,6 +423,84 @@ async def test_wait_for_room_counts_others_reservations_and_the_copy_of_a_shared
             await kv.wait_for_room("a", 1, timeout_s=0)
         assert info.value.requested_blocks == 1
         await kv.check()
+
+
+@pytest.mark.anyio
+async def test_wait_for_room_wakes_when_a_copy_finishes(tiny_config) -> None:
+    """Regression: a copy finishing (its pins released) changed the room while no message reached
+    the shard, and nothing woke the waiter. The copy's completion now wakes it."""
+    async with KVCacheManager(tiny_config(num_blocks=4)) as kv:
+        gate = gate_copies(kv)
+        done = anyio.Event()
+
+        async def waiter() -> None:
+            await kv.wait_for_room("p", 3, timeout_s=math.inf)  # 6 + 3 tokens: 1 more block
+            done.set()
+
+        try:
+            await kv.add_sequence("p", prompt(6))
+            await kv.fork("p", ["c"])
+            await kv.append("c", 9)  # c's copy of the shared tail (held)
+            await kv.free("c")  # its copy block waits in flight for the copy
+            await kv.add_sequence("z", prompt(4, 50))  # the last free block
+            assert (await kv.stats()).in_flight == 1
+            with anyio.fail_after(60):  # hang guard only
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(waiter)
+                    await anyio.wait_all_tasks_blocked()
+                    assert not done.is_set()
+                    gate.set()  # the copy runs; no message is sent to the shard
+                    await done.wait()
+        finally:
+            gate.set()
+        await kv.append("p", [1, 2, 3])
+        await kv.check()
+
+
+@pytest.mark.anyio
+async def test_wait_for_room_does_not_count_cached_blocks_a_pending_copy_keeps(tiny_config) -> None:
+    """Regression: cached blocks above a block pinned by a pending copy counted as evictable, so
+    wait_for_room returned and the append was refused. They count once the copy has run."""
+    async with KVCacheManager(tiny_config(num_blocks=8)) as kv:
+        gate = gate_copies(kv)
+        done = anyio.Event()
+
+        async def waiter() -> None:
+            await kv.wait_for_room("z", 1, timeout_s=math.inf)
+            done.set()
+
+        try:
+            await pin_below_cached(kv)
+            await kv.add_sequence("z", prompt(16, 300))  # the 4 free blocks, all full
+            assert await counts(kv) == (0, 4, 2, 0, 1)
+            with pytest.raises(PoolExhausted) as info:
+                await kv.wait_for_room("z", 1, timeout_s=0)
+            assert (info.value.requested_blocks, info.value.free_blocks, info.value.evictable_blocks) == (1, 0, 0)
+            with pytest.raises(PoolExhausted) as info:
+                await kv.append("z", 1)
+            assert info.value.evictable_blocks == 0
+            with anyio.fail_after(60):  # hang guard only
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(waiter)
+                    await anyio.wait_all_tasks_blocked()
+                    assert not done.is_set()
+                    gate.set()
+                    await done.wait()
+        finally:
+            gate.set()
+        await kv.append("z", 1)  # evicts a cached block
+        await kv.check()
+
+
+@pytest.mark.anyio
+async def test_reserved_blocks_gauge(tiny_config) -> None:
+    async with KVCacheManager(tiny_config(num_blocks=8, num_shards=2)) as kv:
+        await kv.add_sequence("a", prompt(3), max_new_tokens=5)
+        await kv.add_sequence("b", prompt(3, 50), max_new_tokens=9)
+        assert (await kv.stats()).reserved_blocks == 3
+        assert kv.metrics_registry.get_sample_value("akv_blocks_reserved") == 3
+        await kv.free("b")
+        assert kv.metrics_registry.get_sample_value("akv_blocks_reserved") == 1
 
 
 @pytest.mark.anyio

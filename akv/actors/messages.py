@@ -24,7 +24,12 @@ class Step:
 
 @dataclass(frozen=True, slots=True)
 class Validate:
-    """Check a :class:`~akv.core.step.StepRequest` without applying it; reply None or raise."""
+    """Check a :class:`~akv.core.step.StepRequest` without applying it; reply None or raise.
+
+    Raises what its :class:`Step` would: input errors, and ``PoolExhausted``
+    for a fork whose copy-on-write earmark cannot be had (checked exactly), so
+    a multi-shard step validated on every shard applies on every shard.
+    """
 
     request: StepRequest
 

@@ -16,13 +16,15 @@ blocks and, below the low watermark, wakes the eviction loop (a hint through
 an event, not an ask). Blocks earmarked by reservations count as taken there.
 Tasks waiting for room (``KVCacheManager.wait_for_room``) wait on
 :meth:`PoolShardActor.room_changed`, set after a message that freed
-sequences, evicted blocks or raised the free plus evictable blocks, and when
-the actor stops.
+sequences, evicted blocks or raised the free plus evictable blocks, when a
+copy batch finishes (its pins may free blocks without any message reaching
+the shard), and when the actor stops.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -144,12 +146,14 @@ class PoolShardActor(Actor):
         self.blocks_available = state.pool.num_blocks
         self._room_event: anyio.Event | None = None  # made on demand: no waiter, no cost
         self._room_hint = False  # the message being served freed sequences or evicted blocks
+        self._thread_id = threading.get_ident()  # the event loop's thread
 
     def room_changed(self) -> anyio.Event:
         """An event set once room may have grown (or the actor stopped); take it before asking :class:`Room`.
 
         Set after the first later message that freed a sequence, evicted
-        blocks or raised :attr:`blocks_available`; a fresh event after that.
+        blocks or raised :attr:`blocks_available`, or once a copy batch
+        finishes (its pins released, blocks may be free); a fresh event after that.
         """
         if self._room_event is None:
             self._room_event = anyio.Event()
@@ -197,13 +201,16 @@ class PoolShardActor(Actor):
             self._room_hint = bool(outcome.freed or outcome.evicted_blocks)
             result: Any = (outcome, ticket)
         elif isinstance(msg, Validate):
-            self.state.validate(msg.request)
+            req = msg.request
+            self.state.validate(req)
+            if req.forks and self.state.num_reserved_seqs:
+                drive(self.state.fork_room(req.forks), self.tree)
             result = None
         elif isinstance(msg, Evict):
             result = drive(self.state.evict(msg.max_blocks), self.tree)
             self._room_hint = result > 0
         elif isinstance(msg, Room):
-            result = self.state.room(msg.seq_id, msg.num_tokens)
+            result = drive(self.state.room(msg.seq_id, msg.num_tokens), self.tree)
         elif isinstance(msg, Lookup):
             (result,) = apply_tree_ops(self.tree, [self.state.lookup_op(msg.namespace, msg.prompt)])
         elif isinstance(msg, Inspect):
@@ -234,6 +241,7 @@ class PoolShardActor(Actor):
             if span.is_recording():
                 span.set_attributes({"akv.shard": self.state.shard_index, "akv.blocks": len(src), "akv.bytes": nbytes})
         self._pinned.append((ticket, src + dst))
+        ticket.add_done_callback(self._copy_done)
         if self.copy_bytes is not None:
             self.copy_bytes.observe(nbytes)
         self.log.debug(
@@ -244,6 +252,22 @@ class PoolShardActor(Actor):
             dst_block_ids=dst[:16],
         )
         return ticket
+
+    def _copy_done(self, ticket: Any) -> None:
+        """Done callback of a copy batch: wake the tasks waiting for room, if any.
+
+        Runs on the stream worker's thread (an anyio worker thread), or on
+        this one when the batch was done at once. Releasing the batch's pins
+        is left to the next message (:meth:`_settle_copies`), which is the
+        woken waiter's :class:`Room` ask. A waiter that takes the event after
+        this read finds the batch done at its own ask: no wake-up is lost.
+        """
+        if self._room_event is None:
+            return
+        if threading.get_ident() == self._thread_id:
+            self._wake_room()
+        else:
+            anyio.from_thread.run_sync(self._wake_room)
 
     def _log_step(self, request: StepRequest, outcome: StepOutcome) -> None:
         """Debug events of one step, each carrying the sequence that caused it (see docs/logging.md)."""

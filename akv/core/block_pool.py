@@ -443,6 +443,11 @@ class BlockPool:
         for b in block_ids:
             pins[b] = pins.get(b, 0) + 1
 
+    def pinned_published(self) -> list[int]:
+        """Published blocks with refcount 0 that only a copy pin keeps (in flight); O(pinned blocks)."""
+        base, state, pub = self.first_block_id, self._state, self._published
+        return [b for b in self._copy_pins if state[b - base] == IN_FLIGHT and pub[b - base]]
+
     def unpin_copied(self, block_ids: Iterable[int]) -> None:
         """Release copy pins; an unreferenced block then becomes cached or free."""
         base, pins = self.first_block_id, self._copy_pins

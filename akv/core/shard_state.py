@@ -18,6 +18,8 @@ Tree operations (tuples):
   the results list, so results stay one per publishing entry.
 - ``("remove", block_ids)`` -> ``(removed, refused)``.
 - ``("lookup", namespace, keys)`` -> ``int`` (no side effects).
+- ``("ancestors", block_ids)`` -> ``list[int]`` the distinct blocks above
+  any of ``block_ids`` in the tree (no side effects).
 - ``("size",)`` -> ``int`` blocks in the tree.
 
 Every public mutation validates its whole input before changing anything, so
@@ -59,6 +61,8 @@ def apply_tree_ops(tree: RadixTree, ops: TreeOps) -> list:
             out.append(tree.remove_leaves(op[1]))
         elif kind == "lookup":
             out.append(tree.lookup(op[1], op[2]))
+        elif kind == "ancestors":
+            out.append(list({a: None for b in op[1] for a in tree.path(b)[:-1]}))
         elif kind == "size":
             out.append(len(tree))
         else:
@@ -262,16 +266,16 @@ class ShardState:
             UnknownSequence: A commit, fork or append names no live sequence.
             DuplicateSequence: An admission or fork child reuses a live id.
             InvalidInput: Bad commit counts or empty token arrays.
+            PoolExhausted: A fork of a reserved sequence cannot earmark its
+                copy-on-write block (:meth:`fork_room`); nothing is applied.
         """
         checked = self.validate(req)
         bs, seqs, pool, tables = self.block_size, self.sequences, self.pool, self.tables
         out = StepOutcome()
-        earmarks: list[int] = []
-        if req.forks and self.num_reserved_seqs:
-            # Made before anything is applied: frees only add room, commits take none.
-            earmarks = fork_earmarks(tables, [seqs[p].row for p, _ in req.forks], bs)
-            if earmarks:
-                out.evicted_blocks += yield from self._room_for_earmarks(len(earmarks))
+        # Made before anything is applied: frees only add room, commits take none.
+        earmarks = (yield from self.fork_room(req.forks)) if req.forks and self.num_reserved_seqs else []
+        if earmarks:
+            out.evicted_blocks += yield from self._room_for_earmarks(len(earmarks))
 
         if req.frees:
             self._free(req, out)
@@ -461,7 +465,10 @@ class ShardState:
 
     # ------------------------------------------------------------- internals
     def validate(self, req: StepRequest) -> Checked:
-        """Raise the error :meth:`step` would raise for ``req``; change nothing.
+        """Raise the input error :meth:`step` would raise for ``req``; change nothing.
+
+        The one shortage :meth:`step` raises, a fork's earmark, needs the tree:
+        :meth:`fork_room` checks it.
 
         The common case (every id known, every count an int) is checked with
         set and array operations; any problem reruns the per-item checks to
@@ -499,8 +506,6 @@ class ShardState:
         for parent_id, _ in req.forks:
             if parent_id in created and parent_id not in seqs:
                 raise InvalidInput(f"fork of {parent_id!r}, a child created in the same step; fork it next step")
-        if req.forks and self.num_reserved_seqs:
-            self._check_earmark_room(req.forks)
         appends = req.appends
         if appends:
             keys = appends.keys()
@@ -805,33 +810,70 @@ class ShardState:
             # Cached blocks above a published block that a pending copy still
             # pins cannot be evicted (only leaves can) until the copy has run.
             self.counters.pool_exhausted += 1
-            return PoolExhausted(need, pool.num_free - held, pool.num_cached)
+            return PoolExhausted(need, pool.num_free - held, (yield from self.evictable_now()))
         return None
 
-    def _check_earmark_room(self, forks) -> None:
-        """Raise :class:`PoolExhausted` unless free plus evictable blocks cover the forks' earmarks."""
-        rows = [self.sequences[p].row for p, _ in forks]
-        n = len(fork_earmarks(self.tables, rows, self.block_size))
-        free = self.pool.num_free - self.num_reserved
-        if n > free + self.pool.num_cached:
-            raise PoolExhausted(n, free, self.pool.num_cached)
+    def fork_room(self, forks) -> TreeGen:
+        """Check that the copy-on-write blocks ``forks`` must earmark fit now; return their rows.
 
-    def _room_for_earmarks(self, num_blocks: int) -> TreeGen:
-        """Evict until ``num_blocks`` unreserved free blocks exist; return the blocks evicted.
+        Exact, so that a step validated on every shard (``Validate`` asks
+        this too) cannot fail on one shard after another shard applied its
+        part: the blocks must be among the unreserved free blocks plus the
+        cached blocks an eviction pass can take now (:meth:`evictable_now`).
+        Changes nothing but the ``pool_exhausted`` counter.
+
+        Args:
+            forks: ``(parent_id, child_ids)`` pairs of validated live parents.
+
+        Returns:
+            The parent rows to earmark a block for (see
+            :func:`~akv.core.reservation.fork_earmarks`).
 
         Raises:
-            PoolExhausted: Still short after evicting (nothing of the step is applied yet).
+            PoolExhausted: They do not fit (the step must be refused whole).
         """
+        earmarks = fork_earmarks(self.tables, [self.sequences[p].row for p, _ in forks], self.block_size)
+        free = self.pool.num_free - self.num_reserved
+        if len(earmarks) > free:
+            evictable = yield from self.evictable_now()
+            if len(earmarks) > free + evictable:
+                self.counters.pool_exhausted += 1
+                raise PoolExhausted(len(earmarks), free, evictable)
+        return earmarks
+
+    def evictable_now(self) -> TreeGen:
+        """Cached blocks an eviction pass could take now (reads the tree; changes nothing).
+
+        All cached blocks but those above a published block that only a
+        pending copy still holds: the tree evicts only leaves, so they wait
+        for the copy. (A referenced block's ancestors are referenced too: the
+        same block table holds them.) One tree message, only while such a
+        pinned block exists; O(pins + their depth).
+
+        Returns:
+            The number of cached blocks (``int``) :meth:`_evict` can reclaim.
+        """
+        pool = self.pool
+        pinned = pool.pinned_published()
+        if not pinned:
+            return pool.num_cached
+        (above,) = yield [("ancestors", pinned)]
+        return pool.num_cached - sum(1 for b in above if pool.state(b) == CACHED)
+
+    def _room_for_earmarks(self, num_blocks: int) -> TreeGen:
+        """Evict until ``num_blocks`` unreserved free blocks exist (:meth:`fork_room` found them); return the blocks evicted."""
         pool = self.pool
         short = num_blocks - (pool.num_free - self.num_reserved)
         evicted = (yield from self._evict(short, frozenset())) if short > 0 else 0
         if num_blocks > pool.num_free - self.num_reserved:
-            self.counters.pool_exhausted += 1
-            raise PoolExhausted(num_blocks, pool.num_free - self.num_reserved, pool.num_cached)
+            raise AssertionError(
+                f"shard {self.shard_index}: fork earmarks of {num_blocks} blocks checked to fit, "
+                f"but {pool.num_free - self.num_reserved} unreserved free after evicting {evicted}"
+            )
         return evicted
 
-    def room(self, seq_id: Hashable, num_tokens: int) -> tuple[int, int, int]:
-        """Blocks ``seq_id`` needs to append ``num_tokens`` tokens, and the room there is for them (pure).
+    def room(self, seq_id: Hashable, num_tokens: int) -> TreeGen:
+        """Blocks ``seq_id`` needs to append ``num_tokens`` tokens, and the room there is for them (changes nothing).
 
         Args:
             seq_id: A live sequence.
@@ -840,8 +882,9 @@ class ShardState:
         Returns:
             ``(need, free, evictable)``: new blocks plus a copy-on-write copy
             of a shared partial tail; free blocks this sequence may take (the
-            unreserved ones plus its own earmark); cached blocks. There is room
-            when ``need <= free + evictable``.
+            unreserved ones plus its own earmark); cached blocks an eviction
+            pass could take now (:meth:`evictable_now`). There is room when
+            ``need <= free + evictable``.
 
         Raises:
             UnknownSequence: Not live.
@@ -855,7 +898,8 @@ class ShardState:
             raise RequestTooLarge(total, pool.num_blocks)
         tail = start % bs != 0 and pool.refcount(seq.block_ids.last()) > 1
         own = row_reserved(self.tables, row, bs) if self.num_reserved_seqs else 0
-        return total - len(seq.block_ids) + tail, pool.num_free - self.num_reserved + own, pool.num_cached
+        evictable = yield from self.evictable_now()
+        return total - len(seq.block_ids) + tail, pool.num_free - self.num_reserved + own, evictable
 
     def _evict_for_admissions(self, admits: list, matches: dict[int, list[int]], protected: PendingHits) -> TreeGen:
         """Evict the whole step's admission shortfall in one pass; return the blocks evicted.

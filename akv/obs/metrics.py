@@ -71,12 +71,15 @@ class MetricsSnapshot:
         blocks: Block state (free, active, cached, in_flight) -> blocks.
         num_blocks: Blocks in the pool.
         inbox_depths: Actor name -> messages waiting now.
+        reserved_blocks: Free blocks earmarked by reservations (see
+            :mod:`akv.core.reservation`), summed over shards.
     """
 
     counters: Mapping[str, int] = field(default_factory=dict)
     blocks: Mapping[str, int] = field(default_factory=dict)
     num_blocks: int = 0
     inbox_depths: Mapping[str, int] = field(default_factory=dict)
+    reserved_blocks: int = 0
 
 
 class _SnapshotCollector(Collector):
@@ -93,6 +96,11 @@ class _SnapshotCollector(Collector):
         for state in ("free", "active", "cached", "in_flight"):
             blocks.add_metric([state], snap.blocks.get(state, 0))
         yield blocks
+        yield GaugeMetricFamily(
+            "akv_blocks_reserved",
+            "Free blocks earmarked by reservations (max_new_tokens); counted in akv_blocks{state=free} too.",
+            value=snap.reserved_blocks,
+        )
         free = snap.blocks.get("free", 0)
         usage = 1.0 - free / snap.num_blocks if snap.num_blocks else 0.0
         yield GaugeMetricFamily("akv_pool_usage_ratio", "Fraction of blocks not free (0-1).", value=usage)
