@@ -35,16 +35,28 @@ from akv.actors.messages import Check, Inspect, Lookup, Stats, Step, Validate
 from akv.actors.pool_shard import PoolShardActor, SequenceInfo, ShardStats
 from akv.actors.runtime import Actor
 from akv.config import KVCacheConfig
+from akv.core.ids import NUMPY_INTEGER_TYPES, PLAIN_TYPES, describe, plain_id, plain_ids
 from akv.core.shard_state import ShardState
 from akv.core.step import Admit, StepOutcome, StepRequest, empty_metadata
 from akv.core.tokens import as_token_array
-from akv.errors import ActorCrashed, DuplicateSequence, InvalidInput, InvalidTokens, ManagerClosed, UnknownSequence
+from akv.errors import (
+    ActorCrashed,
+    DuplicateSequence,
+    InvalidInput,
+    InvalidTokens,
+    ManagerClosed,
+    UnknownSequence,
+    WrongTask,
+)
 from akv.obs.metrics import ManagerMetrics, MetricsSnapshot
 from akv.obs.tracing import AkvTracer
 from akv.results import NO_COPIES, CacheStats, CopyCompletion, StepResult
 from akv.storage import CopyExecutor, KVStorage
 
 __all__ = ["Admit", "KVCacheManager"]
+
+#: The manager's tasks besides the actors, by the names they are awaited under.
+_BACKGROUND = ("eviction_loop", "stream_worker")
 
 
 class KVCacheManager:
@@ -136,7 +148,9 @@ class KVCacheManager:
         self._actors: list[Actor] = [*self._shards]
         for actor in self._actors:
             actor.on_crash = self._on_crash
-        self._stopped = {actor.name: anyio.Event() for actor in self._actors}
+        self._stopped = {name: anyio.Event() for name in (*(a.name for a in self._actors), *_BACKGROUND)}
+        self._entered_in = anyio.get_current_task().id
+        self._tasks_ended = False
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         for actor in self._actors:
@@ -157,7 +171,35 @@ class KVCacheManager:
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
-        if self._phase not in ("running", "failed"):
+        """Stop the actors in order (drain, then close) and end their task group.
+
+        Raises:
+            WrongTask: Called in another task than the one that entered the
+                manager (anyio ties a task group to the task that enters it).
+                The actors are stopped all the same (no task is left running);
+                leaving it again from the entering task ends the task group.
+            ActorCrashed: An actor crashed while the manager ran (unless the
+                ``async with`` body is already raising).
+        """
+        if self._tg is None:
+            return
+        await self._stop_tasks()
+        if anyio.get_current_task().id != self._entered_in:
+            raise WrongTask(
+                "a KVCacheManager must be left in the task that entered it (its actors run in an anyio "
+                "task group, which belongs to that task); keep 'async with' in one task, e.g. a lifespan. "
+                "Its actors are stopped now; leave it from the entering task to end the task group"
+            )
+        tg, self._tg = self._tg, None
+        # Every task has ended by now; the caller's own exception (if any)
+        # propagates unchanged instead of inside an exception group.
+        await tg.__aexit__(None, None, None)
+        if self._failure is not None and exc_type is None:
+            raise self._failure
+
+    async def _stop_tasks(self) -> None:
+        """Stop every actor and background task (drain, then close) and wait until each has ended."""
+        if self._tasks_ended:
             return
         if self._phase == "running":
             self._phase = "closing"
@@ -168,16 +210,12 @@ class KVCacheManager:
             for shard in self._shards:
                 await self._stopped[shard.name].wait()
             self._executor.close(drain=self._failure is None)
-        try:
-            # Every task has ended by now; the caller's own exception (if any)
-            # propagates unchanged instead of inside an exception group.
-            await self._tg.__aexit__(None, None, None)
-        finally:
-            failed = self._failure is not None
-            self._phase = "failed" if failed else "closed"
-            self.log.info("manager.stopped", failed=failed)
-        if self._failure is not None and exc_type is None:
-            raise self._failure
+            for name in _BACKGROUND:
+                await self._stopped[name].wait()
+        self._tasks_ended = True
+        failed = self._failure is not None
+        self._phase = "failed" if failed else "closed"
+        self.log.info("manager.stopped", failed=failed)
 
     async def _run_actor(self, actor: Actor) -> None:
         try:
@@ -193,6 +231,8 @@ class KVCacheManager:
             err.__cause__ = exc
             self.log.error("actor.crashed", actor="eviction_loop", error=repr(exc), exc_info=exc)
             self._on_crash(None, err)
+        finally:
+            self._stopped["eviction_loop"].set()
 
     async def _run_stream_worker(self) -> None:
         try:
@@ -201,6 +241,8 @@ class KVCacheManager:
             err = ActorCrashed("stream_worker", exc)
             err.__cause__ = exc
             self._on_crash(None, err)
+        finally:
+            self._stopped["stream_worker"].set()
 
     def _on_copy_failure(self, error: ActorCrashed) -> None:
         """From the stream worker's thread: a copy failed on the device; fail the manager."""
@@ -261,6 +303,11 @@ class KVCacheManager:
         those that cannot get blocks are returned in ``rejected`` (the
         scheduler preempts or waits) rather than raised.
 
+        Every sequence id (and namespace) is a plain value: an exact ``str``,
+        ``int`` or ``bytes``, a numpy integer (made ``int``), or a tuple of
+        these; see :mod:`akv.core.ids`. Anything else is refused before any
+        message is sent.
+
         Args:
             frees: Sequence ids to free (unknown ids are ignored).
             preempted: Sequence ids to free as preemptions (the scheduler will
@@ -281,8 +328,10 @@ class KVCacheManager:
 
         Raises:
             InvalidTokens: Bad token ids (nothing applied).
-            InvalidInput: Bad commit counts, empty appends, a non-bool
-                ``want_metadata`` (nothing applied).
+            InvalidInput: An id or namespace that is not a plain value, a
+                collection or mapping that is not one or raises while read,
+                bad commit counts, empty appends, a non-bool ``want_metadata``
+                (nothing applied).
             UnknownSequence: A commit, fork or append names no live sequence.
             DuplicateSequence: An admission or fork child id is already live.
             ActorCrashed, ManagerClosed: The manager is not running.
@@ -344,22 +393,15 @@ class KVCacheManager:
         vocab = self.config.vocab_size
         frees = _ids(frees, "frees")
         preempted = frozenset(_ids(preempted, "preempted"))
-        commits = _mapping(commits, "commits")
+        commits = _commit_counts(_mapping(commits, "commits"))
         appends = _mapping(appends, "appends")
         appends_arr = _decode_tokens(appends, vocab)
         if appends_arr is None:
             appends_arr = {seq_id: _append_tokens(seq_id, tokens, vocab) for seq_id, tokens in appends.items()}
         admits_arr = []
         for adm in _items(admits, "admits"):
-            if not isinstance(adm, Admit):
-                raise InvalidInput(f"admits must hold Admit items, got {type(adm).__name__}")
-            _check_id(adm.seq_id, "admitted sequence id")
-            _check_id(adm.namespace, f"namespace of {adm.seq_id!r}")
-            if not isinstance(adm.prefill_done, (bool, np.bool_)) or not isinstance(adm.resumed, (bool, np.bool_)):
-                raise InvalidInput(
-                    f"Admit {adm.seq_id!r}: prefill_done and resumed must be bools, "
-                    f"got {adm.prefill_done!r} and {adm.resumed!r}"
-                )
+            if type(adm) is not Admit:
+                raise InvalidInput(f"admits must hold Admit items, got {describe(adm)}")
             prompt = as_token_array(adm.prompt, vocab, what=f"prompt of {adm.seq_id!r}")
             admits_arr.append(
                 Admit(
@@ -369,19 +411,18 @@ class KVCacheManager:
                     prefill_done=adm.prefill_done,
                     resumed=adm.resumed,
                 )
-            )  # a copy: the caller's object is not changed (1.4 us, against 2.3 for dataclasses.replace)
+            )  # a copy, checked again: the caller's object is not changed (1.4 us, against 2.3 for dataclasses.replace)
         fork_list = []
         for item in _items(forks, "forks"):
-            if not isinstance(item, (tuple, list)) or len(item) != 2:
-                raise InvalidInput(f"forks must hold (parent_id, child_ids) pairs, got {item!r}")
-            parent, children = item
-            _check_id(parent, "fork parent id")
-            fork_list.append((parent, tuple(_ids(children, f"child ids of {parent!r}"))))
+            if type(item) not in (tuple, list) or len(item) != 2:
+                raise InvalidInput(f"forks must hold (parent_id, child_ids) pairs, got {describe(item)}")
+            parent = plain_id(item[0], "fork parent id")
+            fork_list.append((parent, tuple(_ids(item[1], f"child ids of {parent!r}"))))
         forks = fork_list
         request = StepRequest(
             frees=(*frees, *preempted),
             preempted=preempted,
-            commits=dict(commits or {}),
+            commits=commits,
             forks=forks,
             appends=appends_arr,
             admits=admits_arr,
@@ -582,10 +623,17 @@ class KVCacheManager:
         """Add a sequence from its prompt and allocate its blocks (all or nothing).
 
         Args:
-            seq_id: New caller-chosen id (e.g. the request id).
+            seq_id: New caller-chosen id (e.g. the request id): an exact
+                ``str``, ``int`` or ``bytes``, a numpy integer, or a tuple of
+                these (:mod:`akv.core.ids`); not ``None``.
             prompt: Token ids, 1-D ints, non-empty (a list, numpy array or
                 torch tensor; a lone integer scalar is a one-token prompt).
-            namespace: Prefix-cache namespace (tenant, adapter, model epoch).
+            namespace: Prefix-cache namespace (tenant, adapter, model epoch):
+                a prompt only hits blocks cached under an equal namespace.
+                ``None`` (the default) or a plain value as for ``seq_id``; a
+                tagged tuple such as ``("lora", 7)`` is recommended. Values of
+                different types never merge (``True`` and ``1.0`` are refused,
+                ``numpy.int64(1)`` is ``1``); see :mod:`akv.core.ids`.
 
         Returns:
             Prompt tokens served from the prefix cache: whole blocks, and never
@@ -595,11 +643,14 @@ class KVCacheManager:
             already computed).
 
         Raises:
+            InvalidInput: ``seq_id`` or ``namespace`` is not a plain value.
             InvalidTokens: Empty or bad prompt (nothing allocated).
             DuplicateSequence: ``seq_id`` is live.
             PoolExhausted: Transient: not enough free plus evictable blocks now.
             RequestTooLarge: Permanent: more blocks than the shard holds.
         """
+        seq_id = plain_id(seq_id, "seq_id of add_sequence()")
+        namespace = plain_id(namespace, "namespace of add_sequence()", allow_none=True)
         with self._tracer.span("akv.add_sequence", attributes={"akv.seq_id": str(seq_id)}) as span:
             result = await self.step(
                 admits=[Admit(seq_id=seq_id, prompt=prompt, namespace=namespace)], want_metadata=False
@@ -617,8 +668,10 @@ class KVCacheManager:
             slot mapping and the copy completion to wait on.
 
         Raises:
+            InvalidInput: ``seq_id`` is not a plain value (:mod:`akv.core.ids`).
             UnknownSequence, InvalidTokens, PoolExhausted, RequestTooLarge.
         """
+        seq_id = plain_id(seq_id, "seq_id of append()")
         with self._tracer.span("akv.append", attributes={"akv.seq_id": str(seq_id)}):
             result = await self.step(appends={seq_id: token_ids})
         if seq_id in result.rejected:
@@ -630,8 +683,10 @@ class KVCacheManager:
 
         Raises:
             UnknownSequence: Not live.
-            InvalidInput: More tokens than appended and not yet committed.
+            InvalidInput: ``seq_id`` is not a plain value, or ``num_tokens`` is
+                not an int in ``[0, appended and not yet committed]``.
         """
+        seq_id = plain_id(seq_id, "seq_id of commit()")
         with self._tracer.span("akv.commit", attributes={"akv.seq_id": str(seq_id)}):
             await self.step(commits={seq_id: num_tokens}, want_metadata=False)
 
@@ -639,14 +694,15 @@ class KVCacheManager:
         """Fork ``seq_id`` into each of ``child_ids``; children share every block.
 
         Raises:
+            InvalidInput: An id is not a plain value, or ``child_ids`` is not a
+                collection of ids.
             UnknownSequence: ``seq_id`` is not live.
             DuplicateSequence: A child id is live or repeated.
         """
-        _check_id(seq_id, "sequence id")
-        if isinstance(child_ids, (str, bytes)) or not isinstance(child_ids, Iterable):
-            raise InvalidInput(f"child_ids must be a sequence of ids, got {child_ids!r}")
+        seq_id = plain_id(seq_id, "seq_id of fork()")
+        child_ids = tuple(_ids(child_ids, "child_ids of fork()"))
         with self._tracer.span("akv.fork", attributes={"akv.seq_id": str(seq_id)}):
-            await self.step(forks=[(seq_id, tuple(child_ids))], want_metadata=False)
+            await self.step(forks=[(seq_id, child_ids)], want_metadata=False)
 
     async def free(self, seq_id: Hashable, *, preempted: bool = False) -> bool:
         """Free a sequence's blocks (full published blocks stay cached). Idempotent.
@@ -665,11 +721,14 @@ class KVCacheManager:
             True if the sequence was live, False if unknown or already freed.
 
         Raises:
-            InvalidInput: ``seq_id`` is not hashable.
+            InvalidInput: ``seq_id`` is not a plain value (:mod:`akv.core.ids`)
+                or ``preempted`` is not a bool.
             ManagerClosed, ActorCrashed: The manager is not running (its
                 sequences are gone with it).
         """
-        _check_id(seq_id, "seq_id of free()")
+        seq_id = plain_id(seq_id, "seq_id of free()")
+        if not isinstance(preempted, (bool, np.bool_)):
+            raise InvalidInput(f"preempted must be a bool, got {describe(preempted)}")
         with self._tracer.span("akv.free", attributes={"akv.seq_id": str(seq_id)}), anyio.CancelScope(shield=True):
             if preempted:
                 result = await self.step(preempted=(seq_id,), want_metadata=False)
@@ -719,11 +778,18 @@ class KVCacheManager:
         placed by free blocks, not by prefix, so it may be served fewer
         (docs/architecture.md, "Several shards").
 
+        Args:
+            prompt: Token ids, as for :meth:`add_sequence`.
+            namespace: As for :meth:`add_sequence`: ``None`` or a plain value
+                (:mod:`akv.core.ids`); only blocks cached under an equal
+                namespace count.
+
         Raises:
+            InvalidInput: ``namespace`` is not a plain value.
             InvalidTokens: Bad prompt.
         """
         self._check_running()
-        _check_id(namespace, "namespace")
+        namespace = plain_id(namespace, "namespace of lookup()", allow_none=True)
         arr = as_token_array(prompt, self.config.vocab_size, what="prompt")
         results = [await self._ask(shard, Lookup(namespace, arr)) for shard in self._shards]
         return max(results) * self.config.block_size
@@ -733,10 +799,10 @@ class KVCacheManager:
 
         Raises:
             UnknownSequence: Not live.
-            InvalidInput: ``seq_id`` is not hashable.
+            InvalidInput: ``seq_id`` is not a plain value (:mod:`akv.core.ids`).
         """
         self._check_running()
-        _check_id(seq_id, "sequence id")
+        seq_id = plain_id(seq_id, "seq_id of sequence()")
         if len(self._shards) == 1:
             return await self._ask(self._shards[0], Inspect(seq_id))
         if seq_id not in self._route:
@@ -857,42 +923,66 @@ def _step_attributes(request: StepRequest) -> dict[str, int]:
     }
 
 
-def _check_id(value: Any, what: str) -> None:
-    """Raise :class:`InvalidInput` unless ``value`` can key a dict (ids and namespaces must)."""
-    try:
-        hash(value)
-    except TypeError:
-        raise InvalidInput(
-            f"{what} must be hashable (a str, int or tuple), got {type(value).__name__} {value!r}"
-        ) from None
-
-
 def _items(values: Any, what: str) -> list:
-    """``values`` as a list; a string or a non-iterable is an :class:`InvalidInput`."""
+    """``values`` copied into a list; a string, a non-iterable or a failing iteration is :class:`InvalidInput`."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        raise InvalidInput(f"{what} must be a sequence, got {type(values).__name__} {values!r}")
-    return list(values)
+        raise InvalidInput(f"{what} must be a collection, got {describe(values)}")
+    try:
+        return list(values)
+    except Exception as exc:  # the caller's __iter__ or __len__ raised
+        raise InvalidInput(f"{what} could not be read: {describe(exc)}") from exc
 
 
 def _ids(values: Any, what: str) -> list:
-    """A sequence of hashable ids (a lone string is refused, not split into characters)."""
-    ids = _items(values, what)
-    try:
-        for value in ids:
-            hash(value)
-    except TypeError:
-        for value in ids:
-            _check_id(value, f"an id in {what}")
-    return ids
+    """A collection of sequence ids as a list of plain ids (a lone string is refused, not split into characters)."""
+    return plain_ids(_items(values, what), what)
 
 
-def _mapping(values: Any, what: str) -> Mapping:
-    """A mapping from hashable ids (``None`` is empty)."""
+def _mapping(values: Any, what: str) -> dict:
+    """A copy of a mapping from sequence ids, with plain keys (``None`` is empty).
+
+    One C pass over the key types for a plain ``dict`` of ``str`` or ``int``
+    keys (the decode loop); any other mapping is read once into a new dict.
+
+    Raises:
+        InvalidInput: Not a mapping, a key that is not a plain id, two keys
+            naming one sequence, or reading the mapping raised.
+    """
     if values is None:
         return {}
+    if type(values) is dict and set(map(type, values)) <= PLAIN_TYPES:
+        return dict(values)
     if not isinstance(values, Mapping):
-        raise InvalidInput(f"{what} must be a mapping of sequence id -> value, got {type(values).__name__}")
-    return values
+        raise InvalidInput(f"{what} must be a mapping of sequence id -> value, got {describe(values)}")
+    try:
+        items = list(values.items())
+        out = {plain_id(key, f"a key of {what}"): value for key, value in items}
+    except InvalidInput:
+        raise
+    except Exception as exc:  # the caller's mapping raised while being read
+        raise InvalidInput(f"{what} could not be read: {describe(exc)}") from exc
+    if len(out) != len(items):
+        raise InvalidInput(f"{what} names a sequence more than once")
+    return out
+
+
+def _commit_counts(commits: dict) -> dict:
+    """``commits`` (a copy the manager owns) with numpy integer counts made ``int``, in place.
+
+    The shard then checks each count's range; no caller's number type reaches it.
+
+    Raises:
+        InvalidInput: A count that is neither an exact ``int`` nor a numpy integer.
+    """
+    if set(map(type, commits.values())) <= {int}:
+        return commits
+    for seq_id, n in commits.items():
+        if type(n) is int:
+            continue
+        if type(n) not in NUMPY_INTEGER_TYPES:
+            raise InvalidInput(f"commit of {describe(n)} tokens for sequence {seq_id!r}: need an int >= 0")
+        commits[seq_id] = int(n)
+    return commits
 
 
 def _append_tokens(seq_id: Hashable, tokens: Any, vocab_size: int) -> int | np.ndarray:
@@ -909,8 +999,8 @@ def _append_tokens(seq_id: Hashable, tokens: Any, vocab_size: int) -> int | np.n
     return as_token_array(tokens, vocab_size, what=f"tokens appended to {seq_id!r}")
 
 
-def _decode_tokens(appends: Mapping, vocab_size: int) -> dict | None:
-    """A copy of ``appends`` if it is a decode batch (one valid int token per sequence), else None.
+def _decode_tokens(appends: dict, vocab_size: int) -> dict | None:
+    """``appends`` (the manager's copy) if it is a decode batch (one valid int token per sequence), else None.
 
     Checked with a set of types and one numpy range check over the batch
     instead of a Python check per sequence; anything else (token arrays, numpy
@@ -925,7 +1015,7 @@ def _decode_tokens(appends: Mapping, vocab_size: int) -> dict | None:
         return None
     if arr.min() < 0 or arr.max() >= vocab_size:
         return None
-    return dict(appends)
+    return appends
 
 
 def _tensor(array: np.ndarray | None) -> torch.Tensor | None:
