@@ -10,17 +10,32 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import decimal
+import enum
+import fractions
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 
 import anyio
 import numpy as np
 import pytest
+import torch
+from anyio.from_thread import start_blocking_portal
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
 
+from akv.core.ids import NUMPY_INTEGER_TYPES
 from akv.core.step import Admit
-from akv.errors import AkvError, InvalidInput, ManagerClosed, UnknownSequence, WrongTask
+from akv.errors import (
+    ActorCrashed,
+    AkvError,
+    DuplicateSequence,
+    InvalidInput,
+    ManagerClosed,
+    PoolExhausted,
+    UnknownSequence,
+    WrongTask,
+)
 from akv.manager import KVCacheManager
-
-pytestmark = pytest.mark.anyio
 
 BS = 4  # tiny_config's block_size
 
@@ -96,8 +111,8 @@ async def state(kv: KVCacheManager, ids: tuple = ("a", "b")) -> tuple:
 
 async def fixture(kv: KVCacheManager) -> None:
     """Two live sequences, ``a`` (one published block, one partial) and its fork ``b``."""
-    await kv.add_sequence("a", [1, 2, 3, 4, 5, 6])
-    await kv.commit("a", 6)
+    cached = await kv.add_sequence("a", [1, 2, 3, 4, 5, 6])  # a hit once the block is published
+    await kv.commit("a", 6 - cached)
     await kv.fork("a", ["b"])
 
 
@@ -112,6 +127,7 @@ async def refused(kv: KVCacheManager, call: Callable[[], Awaitable], error: type
     assert await kv.free("probe")
 
 
+@pytest.mark.anyio
 async def test_append_and_commit_of_an_unhashable_id_are_invalid_input(tiny_config) -> None:
     """Reproducer: both raised a raw TypeError building their dict before the id was checked."""
     async with KVCacheManager(tiny_config()) as kv:
@@ -121,6 +137,7 @@ async def test_append_and_commit_of_an_unhashable_id_are_invalid_input(tiny_conf
 
 
 @pytest.mark.parametrize("num_shards", [1, 2])
+@pytest.mark.anyio
 async def test_an_id_hashing_like_a_live_one_with_a_raising_eq_is_refused(tiny_config, num_shards) -> None:
     """Reproducer: add_sequence(BadEq(), ...) crashed the shard actor; every later call got ActorCrashed."""
     async with KVCacheManager(tiny_config(num_shards=num_shards)) as kv:
@@ -144,6 +161,7 @@ async def test_an_id_hashing_like_a_live_one_with_a_raising_eq_is_refused(tiny_c
             await refused(kv, call)
 
 
+@pytest.mark.anyio
 async def test_an_id_whose_hash_raises_or_a_hostile_str_subclass_is_invalid_input(tiny_config) -> None:
     """Reproducer: a __hash__ raising ValueError reached the caller raw; subclasses of str are refused."""
     async with KVCacheManager(tiny_config()) as kv:
@@ -155,6 +173,7 @@ async def test_an_id_whose_hash_raises_or_a_hostile_str_subclass_is_invalid_inpu
             await refused(kv, lambda bad=bad: kv.lookup([1, 2], namespace=bad))
 
 
+@pytest.mark.anyio
 async def test_seq_id_none_is_refused_and_namespace_none_is_the_default(tiny_config) -> None:
     async with KVCacheManager(tiny_config()) as kv:
         await fixture(kv)
@@ -165,6 +184,7 @@ async def test_seq_id_none_is_refused_and_namespace_none_is_the_default(tiny_con
         assert await kv.lookup([1, 2, 3, 4, 5], namespace=None) == BS == await kv.lookup([1, 2, 3, 4, 5])
 
 
+@pytest.mark.anyio
 async def test_collections_and_mappings_that_raise_while_read_are_invalid_input(tiny_config) -> None:
     """Reproducer: a frees collection whose __len__ or iteration raised gave a raw RuntimeError."""
     async with KVCacheManager(tiny_config(num_shards=2)) as kv:
@@ -181,6 +201,7 @@ async def test_collections_and_mappings_that_raise_while_read_are_invalid_input(
         await refused(kv, lambda: kv.step(commits={"a": 0}, appends=RaisingMapping()))
 
 
+@pytest.mark.anyio
 async def test_a_mapping_naming_one_sequence_twice_is_refused(tiny_config) -> None:
     class Twice(Mapping):
         def __getitem__(self, key: object) -> int:
@@ -197,6 +218,7 @@ async def test_a_mapping_naming_one_sequence_twice_is_refused(tiny_config) -> No
         await refused(kv, lambda: kv.step(commits=Twice()))
 
 
+@pytest.mark.anyio
 async def test_namespaces_never_merge_across_types(tiny_config) -> None:
     """Reproducer: a prompt cached under namespace=1 hit under True, 1.0 and np.int64(1); 0 under False."""
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
@@ -219,6 +241,7 @@ async def test_namespaces_never_merge_across_types(tiny_config) -> None:
         await kv.check()
 
 
+@pytest.mark.anyio
 async def test_numpy_ids_are_normalized_and_floats_bools_lists_are_refused(tiny_config) -> None:
     async with KVCacheManager(tiny_config(num_shards=2)) as kv:
         await fixture(kv)
@@ -240,6 +263,7 @@ async def test_numpy_ids_are_normalized_and_floats_bools_lists_are_refused(tiny_
         await refused(kv, lambda: kv.add_sequence(deep, [9, 3]))
 
 
+@pytest.mark.anyio
 async def test_commit_counts_from_numpy_are_ints_and_others_are_refused(tiny_config) -> None:
     class Sly(np.int64):
         def __lt__(self, other: object) -> bool:
@@ -254,6 +278,7 @@ async def test_commit_counts_from_numpy_are_ints_and_others_are_refused(tiny_con
         await refused(kv, lambda: kv.step(commits={"b": 1.0}))
 
 
+@pytest.mark.anyio
 async def test_leaving_the_manager_in_another_task_is_wrong_task_and_leaks_nothing(tiny_config) -> None:
     """Reproducer: __aexit__ in another task raised anyio's raw RuntimeError."""
     baseline = asyncio.all_tasks()
@@ -281,6 +306,7 @@ async def test_leaving_the_manager_in_another_task_is_wrong_task_and_leaks_nothi
     assert asyncio.all_tasks() == baseline
 
 
+@pytest.mark.anyio
 async def test_a_child_that_entered_can_still_leave_after_the_parent_s_wrong_task_exit(tiny_config) -> None:
     """The entering task must outlive the manager; while it does, it can still end the task group."""
     kv = KVCacheManager(tiny_config())
@@ -305,6 +331,7 @@ async def test_a_child_that_entered_can_still_leave_after_the_parent_s_wrong_tas
     assert left == ["owner"]
 
 
+@pytest.mark.anyio
 async def test_a_refused_call_is_an_akv_error_whatever_the_value(tiny_config) -> None:
     """Every refusal above is an AkvError, so one ``except AkvError`` in a handler catches them all."""
     async with KVCacheManager(tiny_config()) as kv:
@@ -313,3 +340,161 @@ async def test_a_refused_call_is_an_akv_error_whatever_the_value(tiny_config) ->
                 await kv.add_sequence(bad, [1])
         with pytest.raises(UnknownSequence):
             await kv.sequence("ghost")
+
+
+# --------------------------------------------------------------------------- arbitrary values
+
+
+class ItemsMapping(Mapping):
+    """A mapping kept as a list of pairs, so the test itself never hashes or compares its keys."""
+
+    def __init__(self, items: list[tuple[object, object]]) -> None:
+        self._items = items
+
+    def __getitem__(self, key: object) -> object:
+        for k, v in self._items:
+            if k is key:
+                return v
+        raise KeyError("not found")
+
+    def __iter__(self) -> Iterator:
+        return iter([k for k, _ in self._items])
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class Color(enum.IntEnum):
+    RED = 1
+
+
+HOSTILE: list[Callable[[], object]] = [  # factories: hypothesis hashes what it samples, these must not be hashed
+    lambda: BadEq("a"),
+    lambda: BadEq("b"),
+    lambda: BadEq(None),
+    BadHash,
+    lambda: BadStr("a"),
+    RaisingIter,
+    lambda: RaisingLen(["a"]),
+    RaisingMapping,
+    object,
+    lambda: Color.RED,
+    lambda: fractions.Fraction(1, 2),
+    lambda: decimal.Decimal("1"),
+    lambda: torch.tensor(1),
+    lambda: np.array([1, 2]),
+    lambda: np.float32(1.0),
+    lambda: type,
+]
+SCALARS = st.one_of(
+    st.integers(),
+    st.text(max_size=4),
+    st.binary(max_size=4),
+    st.none(),
+    st.booleans(),
+    st.floats(allow_nan=True),
+    st.complex_numbers(),
+    st.integers(-(2**63), 2**63 - 1).map(np.int64),
+    st.integers(0, 255).map(np.uint8),
+    st.booleans().map(np.bool_),
+    st.floats(width=32).map(np.float32),
+    st.text(max_size=3).map(np.str_),
+    st.integers(0, len(HOSTILE) - 1).map(lambda i: HOSTILE[i]()),
+)
+NESTED = st.one_of(st.lists(SCALARS, max_size=3).map(tuple), st.lists(SCALARS, max_size=3))
+VALUES = st.one_of(
+    SCALARS,
+    NESTED,
+    st.lists(st.one_of(SCALARS, NESTED), max_size=3).map(tuple),
+    st.dictionaries(st.text(max_size=2), SCALARS, max_size=2),
+)
+NUMPY_PLAIN = (*NUMPY_INTEGER_TYPES, np.str_, np.bytes_)
+
+
+def is_plain(value: object, *, none_ok: bool, depth: int = 1) -> bool:
+    """The plain-value rule, restated independently of akv.core.ids (the oracle)."""
+    if type(value) in (str, int, bytes, *NUMPY_PLAIN):
+        return True
+    if value is None:
+        return none_ok or depth > 1
+    if type(value) is tuple:
+        return depth <= 16 and all(is_plain(v, none_ok=True, depth=depth + 1) for v in value)
+    return False
+
+
+# name -> (call(kv, value), what value is: "id", "namespace" or "any")
+PROBES: dict[str, tuple[Callable, str]] = {
+    "add_sequence": (lambda kv, v: kv.add_sequence(v, [1, 2, 3]), "id"),
+    "add_sequence_namespace": (lambda kv, v: kv.add_sequence("p-ns", [1, 2, 3], namespace=v), "namespace"),
+    "add_sequence_prompt": (lambda kv, v: kv.add_sequence("p-tok", v), "any"),
+    "admit": (lambda kv, v: kv.step(admits=[Admit(seq_id=v, prompt=[5, 6])]), "id"),
+    "admit_namespace": (lambda kv, v: kv.step(admits=[Admit(seq_id="p-adm", prompt=[5], namespace=v)]), "namespace"),
+    "admit_flag": (lambda kv, v: kv.step(admits=[Admit(seq_id="p-adm", prompt=[5], resumed=v)]), "any"),
+    "append": (lambda kv, v: kv.append(v, [1]), "id"),
+    "append_tokens": (lambda kv, v: kv.append("b", v), "any"),
+    "commit": (lambda kv, v: kv.commit(v, 0), "id"),
+    "commit_count": (lambda kv, v: kv.commit("a", v), "any"),
+    "fork_child": (lambda kv, v: kv.fork("a", [v]), "id"),
+    "fork_parent": (lambda kv, v: kv.fork(v, ["p-child"]), "id"),
+    "fork_children": (lambda kv, v: kv.fork("a", v), "any"),
+    "free": (lambda kv, v: kv.free(v), "id"),
+    "free_preempted": (lambda kv, v: kv.free("p-none", preempted=v), "any"),
+    "sequence": (lambda kv, v: kv.sequence(v), "id"),
+    "lookup_namespace": (lambda kv, v: kv.lookup([1, 2, 3, 4, 5], namespace=v), "namespace"),
+    "lookup_prompt": (lambda kv, v: kv.lookup(v), "any"),
+    "step_frees": (lambda kv, v: kv.step(frees=[v]), "id"),
+    "step_preempted": (lambda kv, v: kv.step(preempted=[v]), "id"),
+    "step_commits": (lambda kv, v: kv.step(commits=ItemsMapping([(v, 0)])), "id"),
+    "step_appends": (lambda kv, v: kv.step(appends=ItemsMapping([(v, 7)])), "id"),
+    "step_fork_parent": (lambda kv, v: kv.step(forks=[(v, ["p-child"])]), "id"),
+    "step_fork_child": (lambda kv, v: kv.step(forks=[("a", [v])]), "id"),
+    "step_frees_collection": (lambda kv, v: kv.step(frees=v), "any"),
+    "step_commits_mapping": (lambda kv, v: kv.step(commits=v), "any"),
+    "step_appends_mapping": (lambda kv, v: kv.step(appends=v), "any"),
+    "step_forks_collection": (lambda kv, v: kv.step(forks=v), "any"),
+    "step_admits_collection": (lambda kv, v: kv.step(admits=v), "any"),
+    "step_want_metadata": (lambda kv, v: kv.step(want_metadata=v), "any"),
+}
+PROBE_IDS = ["p-ns", "p-tok", "p-adm", "p-child"]
+
+
+async def probe(kv: KVCacheManager, name: str, value: object) -> None:
+    """One call with ``value``; checks the outcome against the rule, then restores the fixture."""
+    call, kind = PROBES[name]
+    before = await state(kv)
+    try:
+        await call(kv, value)
+        outcome = "accepted"
+    except (ActorCrashed, ManagerClosed):
+        raise
+    except (UnknownSequence, DuplicateSequence, PoolExhausted):
+        outcome = "accepted"  # the value passed the id rule; the call was refused on its merits
+    except InvalidInput:
+        outcome = "refused"
+    if kind != "any":
+        assert outcome == ("accepted" if is_plain(value, none_ok=kind == "namespace") else "refused")
+    if outcome == "refused":
+        assert await state(kv) == before
+    await kv.check()
+    leftovers = [*PROBE_IDS, value] if kind == "id" and is_plain(value, none_ok=False) else PROBE_IDS
+    await kv.step(frees=leftovers)
+    if (await kv.stats()).num_sequences != 2 or None in (await state(kv))[1]:
+        await kv.step(frees=["a", "b"])
+        await fixture(kv)
+
+
+def test_arbitrary_values_at_every_public_method_are_accepted_or_invalid_input(tiny_config) -> None:
+    """Floats, bools, NaN, hostile objects, nested tuples and lists, numpy scalars at every argument:
+    a plain id is accepted, anything else is InvalidInput; never another exception, never ActorCrashed."""
+    manager = KVCacheManager(tiny_config(num_blocks=64, num_shards=2))
+    with start_blocking_portal("asyncio") as portal, portal.wrap_async_context_manager(manager) as kv:
+        portal.call(fixture, kv)
+
+        @settings(max_examples=200, deadline=None)
+        @given(name=st.sampled_from(sorted(PROBES)), value=VALUES)
+        def run(name: str, value: object) -> None:
+            note(f"{name}({value!r})")
+            portal.call(probe, kv, name, value)
+
+        run()
+        portal.call(kv.check)
