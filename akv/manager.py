@@ -20,6 +20,7 @@ safe.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
@@ -35,7 +36,7 @@ from akv.actors.messages import Check, Inspect, Lookup, Stats, Step, Validate
 from akv.actors.pool_shard import PoolShardActor, SequenceInfo, ShardStats
 from akv.actors.runtime import Actor
 from akv.config import KVCacheConfig
-from akv.core.ids import NUMPY_INTEGER_TYPES, PLAIN_TYPES, describe, plain_id, plain_ids
+from akv.core.ids import NUMPY_INTEGER_TYPES, all_plain, describe, plain_id, plain_ids
 from akv.core.shard_state import ShardState
 from akv.core.step import Admit, StepOutcome, StepRequest, empty_metadata
 from akv.core.tokens import as_token_array
@@ -338,7 +339,7 @@ class KVCacheManager:
         """
         self._check_running()
         if not isinstance(want_metadata, (bool, np.bool_)):
-            raise InvalidInput(f"want_metadata must be a bool, got {type(want_metadata).__name__} {want_metadata!r}")
+            raise InvalidInput(f"want_metadata must be a bool, got {describe(want_metadata)}")
         with self._tracer.span("akv.step") as span:
             t0 = time.perf_counter()
             result = await self._step(
@@ -394,7 +395,7 @@ class KVCacheManager:
         frees = _ids(frees, "frees")
         preempted = frozenset(_ids(preempted, "preempted"))
         commits = _commit_counts(_mapping(commits, "commits"))
-        appends = _mapping(appends, "appends")
+        appends = _mapping(appends, "appends", commits)
         appends_arr = _decode_tokens(appends, vocab)
         if appends_arr is None:
             appends_arr = {seq_id: _append_tokens(seq_id, tokens, vocab) for seq_id, tokens in appends.items()}
@@ -938,11 +939,19 @@ def _ids(values: Any, what: str) -> list:
     return plain_ids(_items(values, what), what)
 
 
-def _mapping(values: Any, what: str) -> dict:
+def _mapping(values: Any, what: str, checked: dict | None = None) -> dict:
     """A copy of a mapping from sequence ids, with plain keys (``None`` is empty).
 
-    One C pass over the key types for a plain ``dict`` of ``str`` or ``int``
-    keys (the decode loop); any other mapping is read once into a new dict.
+    A plain ``dict`` is copied as it is when its keys are the very objects, in
+    order, of the already checked ``checked`` (a decode loop builds its commits
+    and appends from one list of ids: one identity pass, no user code runs) or
+    when :func:`~akv.core.ids.all_plain` accepts them; any other mapping is
+    read once into a new dict, key by key.
+
+    Args:
+        values: The caller's mapping, or ``None``.
+        what: Its name, for the message.
+        checked: A dict with plain keys (the step's commits), or ``None``.
 
     Raises:
         InvalidInput: Not a mapping, a key that is not a plain id, two keys
@@ -950,7 +959,9 @@ def _mapping(values: Any, what: str) -> dict:
     """
     if values is None:
         return {}
-    if type(values) is dict and set(map(type, values)) <= PLAIN_TYPES:
+    if type(values) is dict and (
+        (checked and len(checked) == len(values) and all(map(operator.is_, values, checked))) or all_plain(values)
+    ):
         return dict(values)
     if not isinstance(values, Mapping):
         raise InvalidInput(f"{what} must be a mapping of sequence id -> value, got {describe(values)}")
@@ -991,8 +1002,8 @@ def _append_tokens(seq_id: Hashable, tokens: Any, vocab_size: int) -> int | np.n
     Raises:
         InvalidTokens: A token outside ``[0, vocab_size)`` or not an integer.
     """
-    if isinstance(tokens, (int, np.integer)) and not isinstance(tokens, (bool, np.bool_)):
-        tokens = int(tokens)  # one decode token
+    if type(tokens) is int or type(tokens) in NUMPY_INTEGER_TYPES:
+        tokens = int(tokens)  # one decode token (an int subclass takes the array path: its __int__ may raise)
         if not 0 <= tokens < vocab_size:
             raise InvalidTokens(f"token appended to {seq_id!r} is {tokens}, outside [0, {vocab_size})")
         return tokens

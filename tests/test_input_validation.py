@@ -23,7 +23,7 @@ from anyio.from_thread import start_blocking_portal
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
-from akv.core.ids import NUMPY_INTEGER_TYPES
+from akv.core.ids import NUMPY_INTEGER_TYPES, safe_repr
 from akv.core.step import Admit
 from akv.errors import (
     ActorCrashed,
@@ -68,6 +68,23 @@ class BadStr(str):
 
     def __hash__(self) -> int:
         raise RuntimeError("BadStr.__hash__")
+
+
+class BadRepr:
+    """Its ``__repr__`` raises (error messages must not call it unguarded)."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("BadRepr.__repr__")
+
+
+class RaisingInt(int):
+    """An int subclass whose ``__int__`` and ``__index__`` raise."""
+
+    def __int__(self) -> int:
+        raise RuntimeError("RaisingInt.__int__")
+
+    def __index__(self) -> int:
+        raise RuntimeError("RaisingInt.__index__")
 
 
 class RaisingIter:
@@ -279,6 +296,21 @@ async def test_commit_counts_from_numpy_are_ints_and_others_are_refused(tiny_con
 
 
 @pytest.mark.anyio
+async def test_tokens_flags_and_counts_whose_repr_or_int_raise_get_typed_errors(tiny_config) -> None:
+    """Reproducer: a token whose __int__ raised, or whose repr raised in the error message, escaped raw."""
+    async with KVCacheManager(tiny_config()) as kv:
+        await fixture(kv)
+        await refused(kv, lambda: kv.append("b", RaisingInt(5)))
+        await refused(kv, lambda: kv.add_sequence("n", RaisingInt(5)))
+        await refused(kv, lambda: kv.append("b", [BadRepr()]))
+        await refused(kv, lambda: kv.add_sequence("n", [1, BadRepr()]))
+        await refused(kv, lambda: kv.lookup([BadRepr()]))
+        await refused(kv, lambda: kv.step(want_metadata=BadRepr()))
+        await refused(kv, lambda: kv.commit("b", BadRepr()))
+        await refused(kv, lambda: kv.free("b", preempted=BadRepr()))
+
+
+@pytest.mark.anyio
 async def test_leaving_the_manager_in_another_task_is_wrong_task_and_leaks_nothing(tiny_config) -> None:
     """Reproducer: __aexit__ in another task raised anyio's raw RuntimeError."""
     baseline = asyncio.all_tasks()
@@ -373,6 +405,8 @@ HOSTILE: list[Callable[[], object]] = [  # factories: hypothesis hashes what it 
     lambda: BadEq("b"),
     lambda: BadEq(None),
     BadHash,
+    BadRepr,
+    lambda: RaisingInt(5),
     lambda: BadStr("a"),
     RaisingIter,
     lambda: RaisingLen(["a"]),
@@ -432,6 +466,8 @@ PROBES: dict[str, tuple[Callable, str]] = {
     "admit_flag": (lambda kv, v: kv.step(admits=[Admit(seq_id="p-adm", prompt=[5], resumed=v)]), "any"),
     "append": (lambda kv, v: kv.append(v, [1]), "id"),
     "append_tokens": (lambda kv, v: kv.append("b", v), "any"),
+    "append_token_list": (lambda kv, v: kv.append("b", [2, v]), "any"),
+    "add_sequence_prompt_list": (lambda kv, v: kv.add_sequence("p-tok", [1, v]), "any"),
     "commit": (lambda kv, v: kv.commit(v, 0), "id"),
     "commit_count": (lambda kv, v: kv.commit("a", v), "any"),
     "fork_child": (lambda kv, v: kv.fork("a", [v]), "id"),
@@ -493,7 +529,7 @@ def test_arbitrary_values_at_every_public_method_are_accepted_or_invalid_input(t
         @settings(max_examples=200, deadline=None)
         @given(name=st.sampled_from(sorted(PROBES)), value=VALUES)
         def run(name: str, value: object) -> None:
-            note(f"{name}({value!r})")
+            note(f"{name}({safe_repr(value)})")
             portal.call(probe, kv, name, value)
 
         run()

@@ -29,7 +29,8 @@ exception that an id could raise ever reaches an actor's loop.
 from __future__ import annotations
 
 import reprlib
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,7 @@ MAX_ID_DEPTH = 16
 PLAIN_TYPES = frozenset((str, int, bytes))
 #: numpy's integer scalar types (exact), normalized to ``int``.
 NUMPY_INTEGER_TYPES = frozenset(np.dtype(code).type for code in np.typecodes["AllInteger"])
+_FLAT_ELEMENT_TYPES = PLAIN_TYPES | {type(None)}
 _NUMPY: dict[type, type] = dict.fromkeys(NUMPY_INTEGER_TYPES, int)
 _NUMPY[np.str_] = str
 _NUMPY[np.bytes_] = bytes
@@ -52,20 +54,32 @@ _REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 2, 40, 40
 _RULE = "a str, int, bytes or a tuple of these (see akv.core.ids)"
 
 
-def describe(value: Any) -> str:
-    """``type value`` for an error message, safe for any object.
+def safe_repr(value: Any) -> str:
+    """A short repr (:mod:`reprlib`) of anything a caller passed, for an error message.
 
     Args:
-        value: Anything a caller passed.
+        value: Any object.
 
     Returns:
-        E.g. ``"float nan"`` or ``"list [0, 1, 2, 3, 4, 5, ...]"``: a short
-        repr (:mod:`reprlib`), ``"<unprintable>"`` where even that raises.
+        E.g. ``"nan"`` or ``"[0, 1, 2, 3, 4, 5, ...]"``; ``"<unprintable>"``
+        where even that raises.
     """
     try:
-        return f"{type(value).__name__} {_REPR.repr(value)}"
+        return _REPR.repr(value)
     except Exception:  # a caller's object whose repr or iteration raises still gets its typed error
         return "<unprintable>"
+
+
+def describe(value: Any) -> str:
+    """``type repr`` of anything a caller passed, for an error message (see :func:`safe_repr`).
+
+    Args:
+        value: Any object.
+
+    Returns:
+        E.g. ``"float nan"`` or ``"list [0, 1, 2, 3, 4, 5, ...]"``.
+    """
+    return f"{type(value).__name__} {safe_repr(value)}"
 
 
 def plain_id(value: Any, what: str, *, allow_none: bool = False) -> Hashable:
@@ -95,6 +109,23 @@ def plain_id(value: Any, what: str, *, allow_none: bool = False) -> Hashable:
     raise InvalidInput(_message(value, what, allow_none))
 
 
+def all_plain(values: Collection) -> bool:
+    """Whether every element of ``values`` is already a plain id, checked without a Python call per element.
+
+    True when they are all exact ``str``, ``int`` or ``bytes``, or all exact
+    tuples of those and ``None`` (the ``(request_id, beam)`` shape): two C
+    passes over the types. False says only "look closer" (nested tuples, numpy
+    scalars, mixes of tuples and scalars, or a value that is not plain).
+
+    Args:
+        values: Sequence ids (a list, or a dict's keys).
+    """
+    kinds = set(map(type, values))
+    if kinds <= PLAIN_TYPES:
+        return True
+    return kinds == {tuple} and set(map(type, chain.from_iterable(values))) <= _FLAT_ELEMENT_TYPES
+
+
 def plain_ids(values: list, what: str) -> list:
     """Return a list of sequence ids with every element plain (see :func:`plain_id`).
 
@@ -103,13 +134,13 @@ def plain_ids(values: list, what: str) -> list:
         what: What the list is, for the message.
 
     Returns:
-        ``values`` itself when every element is an exact ``str`` or ``int``
-        (one C pass over the types), else a new list of normalized ids.
+        ``values`` itself when :func:`all_plain` says so, else a new list of
+        normalized ids.
 
     Raises:
         InvalidInput: An element is not a plain value.
     """
-    if set(map(type, values)) <= PLAIN_TYPES:
+    if all_plain(values):
         return values
     return [plain_id(value, f"an id in {what}") for value in values]
 
