@@ -119,6 +119,9 @@ def all_plain(values: Collection) -> bool:
 
     Args:
         values: Sequence ids (a list, or a dict's keys).
+
+    Returns:
+        Whether no element needs :func:`plain_id`.
     """
     kinds = set(map(type, values))
     if kinds <= PLAIN_TYPES:
