@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import decimal
-import enum
 import fractions
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 
@@ -20,6 +19,18 @@ import numpy as np
 import pytest
 import torch
 from anyio.from_thread import start_blocking_portal
+from hostile_inputs import (
+    BadEq,
+    BadHash,
+    BadRepr,
+    BadStr,
+    Color,
+    ItemsMapping,
+    RaisingInt,
+    RaisingIter,
+    RaisingLen,
+    RaisingMapping,
+)
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
@@ -27,7 +38,6 @@ from akv.core.ids import NUMPY_INTEGER_TYPES, safe_repr
 from akv.core.step import Admit
 from akv.errors import (
     ActorCrashed,
-    AkvError,
     DuplicateSequence,
     InvalidInput,
     ManagerClosed,
@@ -37,81 +47,9 @@ from akv.errors import (
 )
 from akv.manager import KVCacheManager
 
+pytestmark = pytest.mark.anyio
+
 BS = 4  # tiny_config's block_size
-
-
-class BadEq:
-    """Hashes like a live id; its ``__eq__`` raises (a dict lookup that collides calls it)."""
-
-    def __init__(self, like: object = "a") -> None:
-        self.like = like
-
-    def __hash__(self) -> int:
-        return hash(self.like)
-
-    def __eq__(self, other: object) -> bool:
-        raise RuntimeError("BadEq.__eq__")
-
-
-class BadHash:
-    """Its ``__hash__`` raises ValueError."""
-
-    def __hash__(self) -> int:
-        raise ValueError("BadHash.__hash__")
-
-
-class BadStr(str):
-    """A str subclass whose ``__eq__`` and ``__hash__`` raise."""
-
-    def __eq__(self, other: object) -> bool:
-        raise RuntimeError("BadStr.__eq__")
-
-    def __hash__(self) -> int:
-        raise RuntimeError("BadStr.__hash__")
-
-
-class BadRepr:
-    """Its ``__repr__`` raises (error messages must not call it unguarded)."""
-
-    def __repr__(self) -> str:
-        raise RuntimeError("BadRepr.__repr__")
-
-
-class RaisingInt(int):
-    """An int subclass whose ``__int__`` and ``__index__`` raise."""
-
-    def __int__(self) -> int:
-        raise RuntimeError("RaisingInt.__int__")
-
-    def __index__(self) -> int:
-        raise RuntimeError("RaisingInt.__index__")
-
-
-class RaisingIter:
-    """A collection whose iteration raises."""
-
-    def __iter__(self) -> Iterator:
-        raise RuntimeError("RaisingIter.__iter__")
-
-
-class RaisingLen(list):
-    """A list whose ``__len__`` raises (``list(x)`` asks for it first)."""
-
-    def __len__(self) -> int:
-        raise RuntimeError("RaisingLen.__len__")
-
-
-class RaisingMapping(Mapping):
-    """A mapping whose iteration raises."""
-
-    def __getitem__(self, key: object) -> object:
-        raise KeyError(key)
-
-    def __iter__(self) -> Iterator:
-        raise RuntimeError("RaisingMapping.__iter__")
-
-    def __len__(self) -> int:
-        return 1
 
 
 async def state(kv: KVCacheManager, ids: tuple = ("a", "b")) -> tuple:
@@ -144,7 +82,6 @@ async def refused(kv: KVCacheManager, call: Callable[[], Awaitable], error: type
     assert await kv.free("probe")
 
 
-@pytest.mark.anyio
 async def test_append_and_commit_of_an_unhashable_id_are_invalid_input(tiny_config) -> None:
     """Reproducer: both raised a raw TypeError building their dict before the id was checked."""
     async with KVCacheManager(tiny_config()) as kv:
@@ -154,7 +91,6 @@ async def test_append_and_commit_of_an_unhashable_id_are_invalid_input(tiny_conf
 
 
 @pytest.mark.parametrize("num_shards", [1, 2])
-@pytest.mark.anyio
 async def test_an_id_hashing_like_a_live_one_with_a_raising_eq_is_refused(tiny_config, num_shards) -> None:
     """Reproducer: add_sequence(BadEq(), ...) crashed the shard actor; every later call got ActorCrashed."""
     async with KVCacheManager(tiny_config(num_shards=num_shards)) as kv:
@@ -178,7 +114,6 @@ async def test_an_id_hashing_like_a_live_one_with_a_raising_eq_is_refused(tiny_c
             await refused(kv, call)
 
 
-@pytest.mark.anyio
 async def test_an_id_whose_hash_raises_or_a_hostile_str_subclass_is_invalid_input(tiny_config) -> None:
     """Reproducer: a __hash__ raising ValueError reached the caller raw; subclasses of str are refused."""
     async with KVCacheManager(tiny_config()) as kv:
@@ -190,7 +125,6 @@ async def test_an_id_whose_hash_raises_or_a_hostile_str_subclass_is_invalid_inpu
             await refused(kv, lambda bad=bad: kv.lookup([1, 2], namespace=bad))
 
 
-@pytest.mark.anyio
 async def test_seq_id_none_is_refused_and_namespace_none_is_the_default(tiny_config) -> None:
     async with KVCacheManager(tiny_config()) as kv:
         await fixture(kv)
@@ -201,7 +135,6 @@ async def test_seq_id_none_is_refused_and_namespace_none_is_the_default(tiny_con
         assert await kv.lookup([1, 2, 3, 4, 5], namespace=None) == BS == await kv.lookup([1, 2, 3, 4, 5])
 
 
-@pytest.mark.anyio
 async def test_collections_and_mappings_that_raise_while_read_are_invalid_input(tiny_config) -> None:
     """Reproducer: a frees collection whose __len__ or iteration raised gave a raw RuntimeError."""
     async with KVCacheManager(tiny_config(num_shards=2)) as kv:
@@ -218,7 +151,6 @@ async def test_collections_and_mappings_that_raise_while_read_are_invalid_input(
         await refused(kv, lambda: kv.step(commits={"a": 0}, appends=RaisingMapping()))
 
 
-@pytest.mark.anyio
 async def test_a_mapping_naming_one_sequence_twice_is_refused(tiny_config) -> None:
     class Twice(Mapping):
         def __getitem__(self, key: object) -> int:
@@ -235,7 +167,6 @@ async def test_a_mapping_naming_one_sequence_twice_is_refused(tiny_config) -> No
         await refused(kv, lambda: kv.step(commits=Twice()))
 
 
-@pytest.mark.anyio
 async def test_namespaces_never_merge_across_types(tiny_config) -> None:
     """Reproducer: a prompt cached under namespace=1 hit under True, 1.0 and np.int64(1); 0 under False."""
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
@@ -258,7 +189,6 @@ async def test_namespaces_never_merge_across_types(tiny_config) -> None:
         await kv.check()
 
 
-@pytest.mark.anyio
 async def test_numpy_ids_are_normalized_and_floats_bools_lists_are_refused(tiny_config) -> None:
     async with KVCacheManager(tiny_config(num_shards=2)) as kv:
         await fixture(kv)
@@ -280,7 +210,6 @@ async def test_numpy_ids_are_normalized_and_floats_bools_lists_are_refused(tiny_
         await refused(kv, lambda: kv.add_sequence(deep, [9, 3]))
 
 
-@pytest.mark.anyio
 async def test_commit_counts_from_numpy_are_ints_and_others_are_refused(tiny_config) -> None:
     class Sly(np.int64):
         def __lt__(self, other: object) -> bool:
@@ -295,7 +224,6 @@ async def test_commit_counts_from_numpy_are_ints_and_others_are_refused(tiny_con
         await refused(kv, lambda: kv.step(commits={"b": 1.0}))
 
 
-@pytest.mark.anyio
 async def test_tokens_flags_and_counts_whose_repr_or_int_raise_get_typed_errors(tiny_config) -> None:
     """Reproducer: a token whose __int__ raised, or whose repr raised in the error message, escaped raw."""
     async with KVCacheManager(tiny_config()) as kv:
@@ -310,7 +238,6 @@ async def test_tokens_flags_and_counts_whose_repr_or_int_raise_get_typed_errors(
         await refused(kv, lambda: kv.free("b", preempted=BadRepr()))
 
 
-@pytest.mark.anyio
 async def test_leaving_the_manager_in_another_task_is_wrong_task_and_leaks_nothing(tiny_config) -> None:
     """Reproducer: __aexit__ in another task raised anyio's raw RuntimeError."""
     baseline = asyncio.all_tasks()
@@ -338,7 +265,6 @@ async def test_leaving_the_manager_in_another_task_is_wrong_task_and_leaks_nothi
     assert asyncio.all_tasks() == baseline
 
 
-@pytest.mark.anyio
 async def test_a_child_that_entered_can_still_leave_after_the_parent_s_wrong_task_exit(tiny_config) -> None:
     """The entering task must outlive the manager; while it does, it can still end the task group."""
     kv = KVCacheManager(tiny_config())
@@ -363,41 +289,7 @@ async def test_a_child_that_entered_can_still_leave_after_the_parent_s_wrong_tas
     assert left == ["owner"]
 
 
-@pytest.mark.anyio
-async def test_a_refused_call_is_an_akv_error_whatever_the_value(tiny_config) -> None:
-    """Every refusal above is an AkvError, so one ``except AkvError`` in a handler catches them all."""
-    async with KVCacheManager(tiny_config()) as kv:
-        for bad in (BadEq(), BadHash(), BadStr("x"), None, 1.5):
-            with pytest.raises(AkvError):
-                await kv.add_sequence(bad, [1])
-        with pytest.raises(UnknownSequence):
-            await kv.sequence("ghost")
-
-
 # --------------------------------------------------------------------------- arbitrary values
-
-
-class ItemsMapping(Mapping):
-    """A mapping kept as a list of pairs, so the test itself never hashes or compares its keys."""
-
-    def __init__(self, items: list[tuple[object, object]]) -> None:
-        self._items = items
-
-    def __getitem__(self, key: object) -> object:
-        for k, v in self._items:
-            if k is key:
-                return v
-        raise KeyError("not found")
-
-    def __iter__(self) -> Iterator:
-        return iter([k for k, _ in self._items])
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
-class Color(enum.IntEnum):
-    RED = 1
 
 
 HOSTILE: list[Callable[[], object]] = [  # factories: hypothesis hashes what it samples, these must not be hashed
