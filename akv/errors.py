@@ -86,6 +86,15 @@ class ManagerClosed(AkvError, RuntimeError):
     """The manager is not running (not entered yet, shutting down, or closed)."""
 
 
+class WrongTask(AkvError, RuntimeError):
+    """The manager was left (``__aexit__``) in another task than the one that entered it.
+
+    Its actors run in an anyio task group, and a task group belongs to the task
+    that enters it. The actors are stopped all the same; leaving the manager
+    again from the entering task ends the task group.
+    """
+
+
 class ActorCrashed(AkvError, RuntimeError):
     """An actor raised an unexpected exception; the manager has failed.
 

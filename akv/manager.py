@@ -20,6 +20,7 @@ safe.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
@@ -35,6 +36,7 @@ from akv.actors.messages import Check, Inspect, Lookup, Room, Stats, Step, Valid
 from akv.actors.pool_shard import PoolShardActor, SequenceInfo, ShardStats
 from akv.actors.runtime import Actor
 from akv.config import KVCacheConfig
+from akv.core.ids import NUMPY_INTEGER_TYPES, all_plain, describe, plain_id, plain_ids
 from akv.core.shard_state import ShardState
 from akv.core.step import Admit, StepOutcome, StepRequest, empty_metadata
 from akv.core.tokens import as_token_array
@@ -46,6 +48,7 @@ from akv.errors import (
     ManagerClosed,
     PoolExhausted,
     UnknownSequence,
+    WrongTask,
 )
 from akv.obs.metrics import ManagerMetrics, MetricsSnapshot
 from akv.obs.tracing import AkvTracer
@@ -53,6 +56,9 @@ from akv.results import NO_COPIES, CacheStats, CopyCompletion, StepResult
 from akv.storage import CopyExecutor, KVStorage
 
 __all__ = ["Admit", "KVCacheManager"]
+
+#: The manager's tasks besides the actors, by the names they are awaited under.
+_BACKGROUND = ("eviction_loop", "stream_worker")
 
 
 class KVCacheManager:
@@ -144,7 +150,9 @@ class KVCacheManager:
         self._actors: list[Actor] = [*self._shards]
         for actor in self._actors:
             actor.on_crash = self._on_crash
-        self._stopped = {actor.name: anyio.Event() for actor in self._actors}
+        self._stopped = {name: anyio.Event() for name in (*(a.name for a in self._actors), *_BACKGROUND)}
+        self._entered_in = anyio.get_current_task().id
+        self._tasks_ended = False
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         for actor in self._actors:
@@ -165,7 +173,35 @@ class KVCacheManager:
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
-        if self._phase not in ("running", "failed"):
+        """Stop the actors in order (drain, then close) and end their task group.
+
+        Raises:
+            WrongTask: Called in another task than the one that entered the
+                manager (anyio ties a task group to the task that enters it).
+                The actors are stopped all the same (no task is left running);
+                leaving it again from the entering task ends the task group.
+            ActorCrashed: An actor crashed while the manager ran (unless the
+                ``async with`` body is already raising).
+        """
+        if self._tg is None:
+            return
+        await self._stop_tasks()
+        if anyio.get_current_task().id != self._entered_in:
+            raise WrongTask(
+                "a KVCacheManager must be left in the task that entered it (its actors run in an anyio "
+                "task group, which belongs to that task); keep 'async with' in one task, e.g. a lifespan. "
+                "Its actors are stopped now; leave it from the entering task to end the task group"
+            )
+        tg, self._tg = self._tg, None
+        # Every task has ended by now; the caller's own exception (if any)
+        # propagates unchanged instead of inside an exception group.
+        await tg.__aexit__(None, None, None)
+        if self._failure is not None and exc_type is None:
+            raise self._failure
+
+    async def _stop_tasks(self) -> None:
+        """Stop every actor and background task (drain, then close) and wait until each has ended."""
+        if self._tasks_ended:
             return
         if self._phase == "running":
             self._phase = "closing"
@@ -176,16 +212,12 @@ class KVCacheManager:
             for shard in self._shards:
                 await self._stopped[shard.name].wait()
             self._executor.close(drain=self._failure is None)
-        try:
-            # Every task has ended by now; the caller's own exception (if any)
-            # propagates unchanged instead of inside an exception group.
-            await self._tg.__aexit__(None, None, None)
-        finally:
-            failed = self._failure is not None
-            self._phase = "failed" if failed else "closed"
-            self.log.info("manager.stopped", failed=failed)
-        if self._failure is not None and exc_type is None:
-            raise self._failure
+            for name in _BACKGROUND:
+                await self._stopped[name].wait()
+        self._tasks_ended = True
+        failed = self._failure is not None
+        self._phase = "failed" if failed else "closed"
+        self.log.info("manager.stopped", failed=failed)
 
     async def _run_actor(self, actor: Actor) -> None:
         try:
@@ -201,6 +233,8 @@ class KVCacheManager:
             err.__cause__ = exc
             self.log.error("actor.crashed", actor="eviction_loop", error=repr(exc), exc_info=exc)
             self._on_crash(None, err)
+        finally:
+            self._stopped["eviction_loop"].set()
 
     async def _run_stream_worker(self) -> None:
         try:
@@ -209,6 +243,8 @@ class KVCacheManager:
             err = ActorCrashed("stream_worker", exc)
             err.__cause__ = exc
             self._on_crash(None, err)
+        finally:
+            self._stopped["stream_worker"].set()
 
     def _on_copy_failure(self, error: ActorCrashed) -> None:
         """From the stream worker's thread: a copy failed on the device; fail the manager."""
@@ -269,6 +305,11 @@ class KVCacheManager:
         those that cannot get blocks are returned in ``rejected`` (the
         scheduler preempts or waits) rather than raised.
 
+        Every sequence id (and namespace) is a plain value: an exact ``str``,
+        ``int`` or ``bytes``, a numpy integer (made ``int``), or a tuple of
+        these; see :mod:`akv.core.ids`. Anything else is refused before any
+        message is sent.
+
         Args:
             frees: Sequence ids to free (unknown ids are ignored).
             preempted: Sequence ids to free as preemptions (the scheduler will
@@ -289,15 +330,17 @@ class KVCacheManager:
 
         Raises:
             InvalidTokens: Bad token ids (nothing applied).
-            InvalidInput: Bad commit counts, empty appends, a non-bool
-                ``want_metadata`` (nothing applied).
+            InvalidInput: An id or namespace that is not a plain value, a
+                collection or mapping that is not one or raises while read,
+                bad commit counts, empty appends, a non-bool ``want_metadata``
+                (nothing applied).
             UnknownSequence: A commit, fork or append names no live sequence.
             DuplicateSequence: An admission or fork child id is already live.
             ActorCrashed, ManagerClosed: The manager is not running.
         """
         self._check_running()
         if not isinstance(want_metadata, (bool, np.bool_)):
-            raise InvalidInput(f"want_metadata must be a bool, got {type(want_metadata).__name__} {want_metadata!r}")
+            raise InvalidInput(f"want_metadata must be a bool, got {describe(want_metadata)}")
         with self._tracer.span("akv.step") as span:
             t0 = time.perf_counter()
             result = await self._step(
@@ -352,22 +395,15 @@ class KVCacheManager:
         vocab = self.config.vocab_size
         frees = _ids(frees, "frees")
         preempted = frozenset(_ids(preempted, "preempted"))
-        commits = _mapping(commits, "commits")
-        appends = _mapping(appends, "appends")
+        commits = _commit_counts(_mapping(commits, "commits"))
+        appends = _mapping(appends, "appends", commits)
         appends_arr = _decode_tokens(appends, vocab)
         if appends_arr is None:
             appends_arr = {seq_id: _append_tokens(seq_id, tokens, vocab) for seq_id, tokens in appends.items()}
         admits_arr = []
         for adm in _items(admits, "admits"):
-            if not isinstance(adm, Admit):
-                raise InvalidInput(f"admits must hold Admit items, got {type(adm).__name__}")
-            _check_id(adm.seq_id, "admitted sequence id")
-            _check_id(adm.namespace, f"namespace of {adm.seq_id!r}")
-            if not isinstance(adm.prefill_done, (bool, np.bool_)) or not isinstance(adm.resumed, (bool, np.bool_)):
-                raise InvalidInput(
-                    f"Admit {adm.seq_id!r}: prefill_done and resumed must be bools, "
-                    f"got {adm.prefill_done!r} and {adm.resumed!r}"
-                )
+            if type(adm) is not Admit:
+                raise InvalidInput(f"admits must hold Admit items, got {describe(adm)}")
             prompt = as_token_array(adm.prompt, vocab, what=f"prompt of {adm.seq_id!r}")
             admits_arr.append(
                 Admit(
@@ -378,19 +414,18 @@ class KVCacheManager:
                     resumed=adm.resumed,
                     max_new_tokens=_max_new_tokens(adm),
                 )
-            )  # a copy: the caller's object is not changed (1.4 us, against 2.3 for dataclasses.replace)
+            )  # a copy, checked again: the caller's object is not changed (1.4 us, against 2.3 for dataclasses.replace)
         fork_list = []
         for item in _items(forks, "forks"):
-            if not isinstance(item, (tuple, list)) or len(item) != 2:
-                raise InvalidInput(f"forks must hold (parent_id, child_ids) pairs, got {item!r}")
-            parent, children = item
-            _check_id(parent, "fork parent id")
-            fork_list.append((parent, tuple(_ids(children, f"child ids of {parent!r}"))))
+            if type(item) not in (tuple, list) or len(item) != 2:
+                raise InvalidInput(f"forks must hold (parent_id, child_ids) pairs, got {describe(item)}")
+            parent = plain_id(item[0], "fork parent id")
+            fork_list.append((parent, tuple(_ids(item[1], f"child ids of {parent!r}"))))
         forks = fork_list
         request = StepRequest(
             frees=(*frees, *preempted),
             preempted=preempted,
-            commits=dict(commits or {}),
+            commits=commits,
             forks=forks,
             appends=appends_arr,
             admits=admits_arr,
@@ -593,10 +628,17 @@ class KVCacheManager:
         """Add a sequence from its prompt and allocate its blocks (all or nothing).
 
         Args:
-            seq_id: New caller-chosen id (e.g. the request id).
+            seq_id: New caller-chosen id (e.g. the request id): an exact
+                ``str``, ``int`` or ``bytes``, a numpy integer, or a tuple of
+                these (:mod:`akv.core.ids`); not ``None``.
             prompt: Token ids, 1-D ints, non-empty (a list, numpy array or
                 torch tensor; a lone integer scalar is a one-token prompt).
-            namespace: Prefix-cache namespace (tenant, adapter, model epoch).
+            namespace: Prefix-cache namespace (tenant, adapter, model epoch):
+                a prompt only hits blocks cached under an equal namespace.
+                ``None`` (the default) or a plain value as for ``seq_id``; a
+                tagged tuple such as ``("lora", 7)`` is recommended. Values of
+                different types never merge (``True`` and ``1.0`` are refused,
+                ``numpy.int64(1)`` is ``1``); see :mod:`akv.core.ids`.
             max_new_tokens: Reserve room for this many generated tokens (an
                 ``int >= 0``): appends up to ``len(prompt) + max_new_tokens``
                 tokens then never raise :class:`~akv.errors.PoolExhausted`;
@@ -614,6 +656,7 @@ class KVCacheManager:
             already computed).
 
         Raises:
+            InvalidInput: ``seq_id`` or ``namespace`` is not a plain value.
             InvalidTokens: Empty or bad prompt (nothing allocated).
             InvalidInput: ``max_new_tokens`` is not ``None`` or an ``int >= 0``.
             DuplicateSequence: ``seq_id`` is live.
@@ -621,6 +664,8 @@ class KVCacheManager:
                 (for the prompt and the reservation).
             RequestTooLarge: Permanent: more blocks than the shard holds.
         """
+        seq_id = plain_id(seq_id, "seq_id of add_sequence()")
+        namespace = plain_id(namespace, "namespace of add_sequence()", allow_none=True)
         with self._tracer.span("akv.add_sequence", attributes={"akv.seq_id": str(seq_id)}) as span:
             adm = Admit(seq_id=seq_id, prompt=prompt, namespace=namespace, max_new_tokens=max_new_tokens)
             result = await self.step(admits=[adm], want_metadata=False)
@@ -637,8 +682,10 @@ class KVCacheManager:
             slot mapping and the copy completion to wait on.
 
         Raises:
+            InvalidInput: ``seq_id`` is not a plain value (:mod:`akv.core.ids`).
             UnknownSequence, InvalidTokens, PoolExhausted, RequestTooLarge.
         """
+        seq_id = plain_id(seq_id, "seq_id of append()")
         with self._tracer.span("akv.append", attributes={"akv.seq_id": str(seq_id)}):
             result = await self.step(appends={seq_id: token_ids})
         if seq_id in result.rejected:
@@ -650,8 +697,10 @@ class KVCacheManager:
 
         Raises:
             UnknownSequence: Not live.
-            InvalidInput: More tokens than appended and not yet committed.
+            InvalidInput: ``seq_id`` is not a plain value, or ``num_tokens`` is
+                not an int in ``[0, appended and not yet committed]``.
         """
+        seq_id = plain_id(seq_id, "seq_id of commit()")
         with self._tracer.span("akv.commit", attributes={"akv.seq_id": str(seq_id)}):
             await self.step(commits={seq_id: num_tokens}, want_metadata=False)
 
@@ -659,14 +708,15 @@ class KVCacheManager:
         """Fork ``seq_id`` into each of ``child_ids``; children share every block.
 
         Raises:
+            InvalidInput: An id is not a plain value, or ``child_ids`` is not a
+                collection of ids.
             UnknownSequence: ``seq_id`` is not live.
             DuplicateSequence: A child id is live or repeated.
         """
-        _check_id(seq_id, "sequence id")
-        if isinstance(child_ids, (str, bytes)) or not isinstance(child_ids, Iterable):
-            raise InvalidInput(f"child_ids must be a sequence of ids, got {child_ids!r}")
+        seq_id = plain_id(seq_id, "seq_id of fork()")
+        child_ids = tuple(_ids(child_ids, "child_ids of fork()"))
         with self._tracer.span("akv.fork", attributes={"akv.seq_id": str(seq_id)}):
-            await self.step(forks=[(seq_id, tuple(child_ids))], want_metadata=False)
+            await self.step(forks=[(seq_id, child_ids)], want_metadata=False)
 
     async def free(self, seq_id: Hashable, *, preempted: bool = False) -> bool:
         """Free a sequence's blocks (full published blocks stay cached). Idempotent.
@@ -685,11 +735,14 @@ class KVCacheManager:
             True if the sequence was live, False if unknown or already freed.
 
         Raises:
-            InvalidInput: ``seq_id`` is not hashable.
+            InvalidInput: ``seq_id`` is not a plain value (:mod:`akv.core.ids`)
+                or ``preempted`` is not a bool.
             ManagerClosed, ActorCrashed: The manager is not running (its
                 sequences are gone with it).
         """
-        _check_id(seq_id, "seq_id of free()")
+        seq_id = plain_id(seq_id, "seq_id of free()")
+        if not isinstance(preempted, (bool, np.bool_)):
+            raise InvalidInput(f"preempted must be a bool, got {describe(preempted)}")
         with self._tracer.span("akv.free", attributes={"akv.seq_id": str(seq_id)}), anyio.CancelScope(shield=True):
             if preempted:
                 result = await self.step(preempted=(seq_id,), want_metadata=False)
@@ -740,11 +793,11 @@ class KVCacheManager:
             ActorCrashed, ManagerClosed: The manager is not running.
         """
         self._check_running()
-        _check_id(seq_id, "sequence id")
-        if not isinstance(num_tokens, (int, np.integer)) or isinstance(num_tokens, (bool, np.bool_)) or num_tokens < 1:
-            raise InvalidInput(f"num_tokens must be an int >= 1, got {num_tokens!r}")
-        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s >= 0:
-            raise InvalidInput(f"timeout_s must be a real number >= 0 (math.inf: no limit), got {timeout_s!r}")
+        seq_id = plain_id(seq_id, "seq_id of wait_for_room()")
+        if type(num_tokens) not in (int, *NUMPY_INTEGER_TYPES) or num_tokens < 1:
+            raise InvalidInput(f"num_tokens must be an int >= 1, got {describe(num_tokens)}")
+        if type(timeout_s) not in (int, float) or not timeout_s >= 0:
+            raise InvalidInput(f"timeout_s must be a real number >= 0 (math.inf: no limit), got {describe(timeout_s)}")
         if len(self._shards) == 1:
             shard = self._shards[0]
         elif seq_id in self._route:
@@ -811,11 +864,18 @@ class KVCacheManager:
         placed by free blocks, not by prefix, so it may be served fewer
         (docs/architecture.md, "Several shards").
 
+        Args:
+            prompt: Token ids, as for :meth:`add_sequence`.
+            namespace: As for :meth:`add_sequence`: ``None`` or a plain value
+                (:mod:`akv.core.ids`); only blocks cached under an equal
+                namespace count.
+
         Raises:
+            InvalidInput: ``namespace`` is not a plain value.
             InvalidTokens: Bad prompt.
         """
         self._check_running()
-        _check_id(namespace, "namespace")
+        namespace = plain_id(namespace, "namespace of lookup()", allow_none=True)
         arr = as_token_array(prompt, self.config.vocab_size, what="prompt")
         results = [await self._ask(shard, Lookup(namespace, arr)) for shard in self._shards]
         return max(results) * self.config.block_size
@@ -825,10 +885,10 @@ class KVCacheManager:
 
         Raises:
             UnknownSequence: Not live.
-            InvalidInput: ``seq_id`` is not hashable.
+            InvalidInput: ``seq_id`` is not a plain value (:mod:`akv.core.ids`).
         """
         self._check_running()
-        _check_id(seq_id, "sequence id")
+        seq_id = plain_id(seq_id, "seq_id of sequence()")
         if len(self._shards) == 1:
             return await self._ask(self._shards[0], Inspect(seq_id))
         if seq_id not in self._route:
@@ -951,42 +1011,76 @@ def _step_attributes(request: StepRequest) -> dict[str, int]:
     }
 
 
-def _check_id(value: Any, what: str) -> None:
-    """Raise :class:`InvalidInput` unless ``value`` can key a dict (ids and namespaces must)."""
-    try:
-        hash(value)
-    except TypeError:
-        raise InvalidInput(
-            f"{what} must be hashable (a str, int or tuple), got {type(value).__name__} {value!r}"
-        ) from None
-
-
 def _items(values: Any, what: str) -> list:
-    """``values`` as a list; a string or a non-iterable is an :class:`InvalidInput`."""
+    """``values`` copied into a list; a string, a non-iterable or a failing iteration is :class:`InvalidInput`."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        raise InvalidInput(f"{what} must be a sequence, got {type(values).__name__} {values!r}")
-    return list(values)
+        raise InvalidInput(f"{what} must be a collection, got {describe(values)}")
+    try:
+        return list(values)
+    except Exception as exc:  # the caller's __iter__ or __len__ raised
+        raise InvalidInput(f"{what} could not be read: {describe(exc)}") from exc
 
 
 def _ids(values: Any, what: str) -> list:
-    """A sequence of hashable ids (a lone string is refused, not split into characters)."""
-    ids = _items(values, what)
-    try:
-        for value in ids:
-            hash(value)
-    except TypeError:
-        for value in ids:
-            _check_id(value, f"an id in {what}")
-    return ids
+    """A collection of sequence ids as a list of plain ids (a lone string is refused, not split into characters)."""
+    return plain_ids(_items(values, what), what)
 
 
-def _mapping(values: Any, what: str) -> Mapping:
-    """A mapping from hashable ids (``None`` is empty)."""
+def _mapping(values: Any, what: str, checked: dict | None = None) -> dict:
+    """A copy of a mapping from sequence ids, with plain keys (``None`` is empty).
+
+    A plain ``dict`` is copied as it is when its keys are the very objects, in
+    order, of the already checked ``checked`` (a decode loop builds its commits
+    and appends from one list of ids: one identity pass, no user code runs) or
+    when :func:`~akv.core.ids.all_plain` accepts them; any other mapping is
+    read once into a new dict, key by key.
+
+    Args:
+        values: The caller's mapping, or ``None``.
+        what: Its name, for the message.
+        checked: A dict with plain keys (the step's commits), or ``None``.
+
+    Raises:
+        InvalidInput: Not a mapping, a key that is not a plain id, two keys
+            naming one sequence, or reading the mapping raised.
+    """
     if values is None:
         return {}
+    if type(values) is dict and (
+        (checked and len(checked) == len(values) and all(map(operator.is_, values, checked))) or all_plain(values)
+    ):
+        return dict(values)
     if not isinstance(values, Mapping):
-        raise InvalidInput(f"{what} must be a mapping of sequence id -> value, got {type(values).__name__}")
-    return values
+        raise InvalidInput(f"{what} must be a mapping of sequence id -> value, got {describe(values)}")
+    try:
+        items = list(values.items())
+        out = {plain_id(key, f"a key of {what}"): value for key, value in items}
+    except InvalidInput:
+        raise
+    except Exception as exc:  # the caller's mapping raised while being read
+        raise InvalidInput(f"{what} could not be read: {describe(exc)}") from exc
+    if len(out) != len(items):
+        raise InvalidInput(f"{what} names a sequence more than once")
+    return out
+
+
+def _commit_counts(commits: dict) -> dict:
+    """``commits`` (a copy the manager owns) with numpy integer counts made ``int``, in place.
+
+    The shard then checks each count's range; no caller's number type reaches it.
+
+    Raises:
+        InvalidInput: A count that is neither an exact ``int`` nor a numpy integer.
+    """
+    if set(map(type, commits.values())) <= {int}:
+        return commits
+    for seq_id, n in commits.items():
+        if type(n) is int:
+            continue
+        if type(n) not in NUMPY_INTEGER_TYPES:
+            raise InvalidInput(f"commit of {describe(n)} tokens for sequence {seq_id!r}: need an int >= 0")
+        commits[seq_id] = int(n)
+    return commits
 
 
 def _fits(room: tuple[int, int, int]) -> bool:
@@ -1004,8 +1098,8 @@ def _max_new_tokens(adm: Admit) -> int | None:
     n = adm.max_new_tokens
     if n is None:
         return None
-    if not isinstance(n, (int, np.integer)) or isinstance(n, (bool, np.bool_)) or n < 0:
-        raise InvalidInput(f"Admit {adm.seq_id!r}: max_new_tokens must be None or an int >= 0, got {n!r}")
+    if type(n) not in (int, *NUMPY_INTEGER_TYPES) or n < 0:
+        raise InvalidInput(f"Admit {adm.seq_id!r}: max_new_tokens must be None or an int >= 0, got {describe(n)}")
     return int(n)
 
 
@@ -1015,16 +1109,16 @@ def _append_tokens(seq_id: Hashable, tokens: Any, vocab_size: int) -> int | np.n
     Raises:
         InvalidTokens: A token outside ``[0, vocab_size)`` or not an integer.
     """
-    if isinstance(tokens, (int, np.integer)) and not isinstance(tokens, (bool, np.bool_)):
-        tokens = int(tokens)  # one decode token
+    if type(tokens) is int or type(tokens) in NUMPY_INTEGER_TYPES:
+        tokens = int(tokens)  # one decode token (an int subclass takes the array path: its __int__ may raise)
         if not 0 <= tokens < vocab_size:
             raise InvalidTokens(f"token appended to {seq_id!r} is {tokens}, outside [0, {vocab_size})")
         return tokens
     return as_token_array(tokens, vocab_size, what=f"tokens appended to {seq_id!r}")
 
 
-def _decode_tokens(appends: Mapping, vocab_size: int) -> dict | None:
-    """A copy of ``appends`` if it is a decode batch (one valid int token per sequence), else None.
+def _decode_tokens(appends: dict, vocab_size: int) -> dict | None:
+    """``appends`` (the manager's copy) if it is a decode batch (one valid int token per sequence), else None.
 
     Checked with a set of types and one numpy range check over the batch
     instead of a Python check per sequence; anything else (token arrays, numpy
@@ -1039,7 +1133,7 @@ def _decode_tokens(appends: Mapping, vocab_size: int) -> dict | None:
         return None
     if arr.min() < 0 or arr.max() >= vocab_size:
         return None
-    return dict(appends)
+    return appends
 
 
 def _tensor(array: np.ndarray | None) -> torch.Tensor | None:

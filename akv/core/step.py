@@ -11,15 +11,26 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from akv.core.ids import describe, plain_id
+from akv.errors import InvalidInput
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Admit:
     """Add a sequence from a prompt.
 
+    The ids are checked (and numpy scalars normalized) when the item is built;
+    the manager checks the prompt against the vocabulary.
+
     Args:
-        seq_id: New, caller-chosen sequence id.
+        seq_id: New, caller-chosen sequence id: a plain value (an exact
+            ``str``, ``int`` or ``bytes``, a numpy integer, or a tuple of
+            these; see :mod:`akv.core.ids`), never ``None``.
         prompt: Token ids, int32 array of shape ``(num_prompt_tokens,)``, non-empty.
-        namespace: Prefix-cache namespace; prompts only hit blocks of the same one.
+        namespace: Prefix-cache namespace; prompts only hit blocks of an equal
+            one. ``None`` (the default) or a plain value; values of different
+            types never merge (``True`` and ``1.0`` are refused). A tagged
+            tuple such as ``("lora", 7)`` is recommended.
         prefill_done: The runner computes the whole prompt in this very step
             (a simulation shortcut): the prompt is committed at once and its
             full blocks published before the next admission of the step.
@@ -32,6 +43,10 @@ class Admit:
             tokens never lack blocks; the admission is rejected instead when
             that room is not there. ``None``: no reservation. See
             :mod:`akv.core.reservation`.
+
+    Raises:
+        InvalidInput: ``seq_id`` or ``namespace`` is not a plain value, or
+            ``prefill_done`` or ``resumed`` is not a bool.
     """
 
     seq_id: Hashable
@@ -40,6 +55,20 @@ class Admit:
     prefill_done: bool = False
     resumed: bool = False
     max_new_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        seq_id = plain_id(self.seq_id, "seq_id of Admit")
+        namespace = plain_id(self.namespace, f"namespace of Admit {seq_id!r}", allow_none=True)
+        if seq_id is not self.seq_id:
+            object.__setattr__(self, "seq_id", seq_id)  # a numpy scalar made plain (frozen dataclass)
+        if namespace is not self.namespace:
+            object.__setattr__(self, "namespace", namespace)
+        flags = (type(self.prefill_done), type(self.resumed))
+        if not {*flags} <= {bool, np.bool_}:
+            raise InvalidInput(
+                f"Admit {seq_id!r}: prefill_done and resumed must be bools, "
+                f"got {describe(self.prefill_done)} and {describe(self.resumed)}"
+            )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -7,6 +7,7 @@ import operator
 
 import numpy as np
 
+from akv.core.ids import safe_repr
 from akv.errors import InvalidTokens
 
 
@@ -70,7 +71,9 @@ def as_token_array(tokens, vocab_size: int, *, what: str = "tokens") -> np.ndarr
                         raise TypeError
                     v = operator.index(t)
                 except Exception:  # whatever its __index__ raises
-                    raise InvalidTokens(f"{what}: token {i} is {t!r} ({type(t).__name__}), not an int") from None
+                    raise InvalidTokens(
+                        f"{what}: token {i} is {safe_repr(t)} ({type(t).__name__}), not an int"
+                    ) from None
                 if not 0 <= v < vocab_size:
                     raise InvalidTokens(f"{what}: token {i} is {v}, outside [0, {vocab_size})")
         if arr is None:
@@ -78,6 +81,10 @@ def as_token_array(tokens, vocab_size: int, *, what: str = "tokens") -> np.ndarr
                 arr = np.asarray(tokens)
             except (TypeError, ValueError, OverflowError) as exc:
                 raise InvalidTokens(f"{what}: not an array of token ids ({exc})") from None
+            except Exception as exc:  # whatever else the caller's object raises while converted
+                raise InvalidTokens(
+                    f"{what}: not an array of token ids (converting it raised {type(exc).__name__})"
+                ) from None
     if arr.ndim == 0 and arr.dtype.kind in "iu":
         arr = arr.reshape(1)  # one token as a numpy or torch integer scalar
     if arr.ndim != 1:
