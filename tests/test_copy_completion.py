@@ -1,4 +1,4 @@
-"""Copy completion under load: async waiters of a copy ticket hold no thread, on asyncio and trio.
+"""Copy completion under load: async waiters of a copy ticket hold no thread (asyncio, uvloop, trio).
 
 Regression (issue 13, "Copy waits under load"): each ``CopyTicket.wait_async``
 parked an anyio worker thread, so 512 concurrent waits exhausted the default
@@ -10,6 +10,7 @@ borrows a worker thread while it waits.
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import anyio
@@ -26,9 +27,14 @@ from akv.stress.fault import CrashInjector
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    """Every test here runs on asyncio and on trio."""
+NO_UVLOOP = pytest.mark.skipif(sys.platform == "win32", reason="uvloop has no Windows build")
+
+
+@pytest.fixture(
+    params=["asyncio", pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop", marks=NO_UVLOOP), "trio"]
+)
+def anyio_backend(request: pytest.FixtureRequest) -> object:
+    """Every test here runs on asyncio, on asyncio with uvloop's loop, and on trio."""
     return request.param
 
 
