@@ -10,6 +10,7 @@ borrows a worker thread while it waits.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import threading
 
@@ -198,3 +199,25 @@ async def test_manager_crash_fails_pending_copy_waits_and_none_hangs(tiny_config
     assert outcomes == {"running": ["done"] * 100, "queued": [ManagerClosed] * 100, "wait_copies": [ManagerClosed]}
     with pytest.raises(ManagerClosed):
         await queued.wait()  # after exit: raises at once, never hangs
+
+
+def test_batch_finishing_after_its_waiters_loop_closed_still_settles() -> None:
+    """The waiters' loop is closed with a waiter still registered: the wake-up is dropped, nothing raises."""
+    executor = CopyExecutor(make_storage())
+    ticket = executor.submit([1], [2])
+    loop = asyncio.new_event_loop()
+
+    async def park() -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(ticket.wait_async())
+        await wait_all_tasks_blocked()
+        return task
+
+    try:
+        task = loop.run_until_complete(park())
+        assert [w.count for w in ticket._loop_waiters] == [1]
+    finally:
+        loop.close()  # the parked task is never resumed
+    executor.close()  # runs the batch here; call_soon_threadsafe on the closed loop raises, and is dropped
+    assert ticket.done() and ticket.exception() is None and ticket._loop_waiters == []
+    assert not task.done()
+    anyio.run(ticket.wait_async)  # a waiter in another loop returns at once

@@ -3,9 +3,9 @@
 :class:`CopyExecutor` takes batches of ``(src, dst)`` block copies
 (:meth:`KVStorage.copy_blocks` semantics) and runs them strictly in submission
 order; each :meth:`CopyExecutor.submit` returns a :class:`CopyTicket` to wait
-on (blocking, or ``await`` without blocking the loop or holding a thread). The
-manager runs the worker loop in a thread of its own; the only event-loop state
-here is the per-loop event a ticket's async waiters share.
+on (blocking, or ``await`` without blocking the loop or holding a thread; see
+:mod:`akv.storage.copy_ticket`). The manager runs the worker loop in a thread
+of its own; this module holds no event-loop state.
 
 On CUDA, copies run on a dedicated ``torch.cuda.Stream``. They are *enqueued
 by* :meth:`~CopyExecutor.submit` (kernel launches are asynchronous, so this
