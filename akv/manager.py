@@ -237,8 +237,10 @@ class KVCacheManager:
             self._stopped["eviction_loop"].set()
 
     async def _run_stream_worker(self) -> None:
+        # A limiter of its own: the copy thread never queues behind the host's
+        # threads on anyio's default limiter, nor takes one of its tokens.
         try:
-            await anyio.to_thread.run_sync(self._executor.run_forever)
+            await anyio.to_thread.run_sync(self._executor.run_forever, limiter=anyio.CapacityLimiter(1))
         except Exception as exc:
             err = ActorCrashed("stream_worker", exc)
             err.__cause__ = exc

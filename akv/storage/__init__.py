@@ -5,9 +5,10 @@ Layout of every layer's tensor (vLLM PagedAttention, FlashAttention paged KV)::
     # (2, num_blocks, block_size, num_kv_heads, head_dim), K then V
 """
 
+from akv.storage.copy_ticket import CopyTicket
 from akv.storage.kv_pool import KVStorage, torch_dtype
 from akv.storage.paged_attention import paged_decode_attention, paged_prefill_attention
-from akv.storage.stream_worker import CopyExecutor, CopyTicket
+from akv.storage.stream_worker import CopyExecutor
 
 __all__ = [
     "CopyExecutor",

@@ -3,8 +3,9 @@
 :class:`CopyExecutor` takes batches of ``(src, dst)`` block copies
 (:meth:`KVStorage.copy_blocks` semantics) and runs them strictly in submission
 order; each :meth:`CopyExecutor.submit` returns a :class:`CopyTicket` to wait
-on (blocking, or ``await`` without blocking the loop). The async actor wrapper
-lives in :mod:`akv.actors`; this module holds no asyncio state.
+on (blocking, or ``await`` without blocking the loop or holding a thread; see
+:mod:`akv.storage.copy_ticket`). The manager runs the worker loop in a thread
+of its own; this module holds no event-loop state.
 
 On CUDA, copies run on a dedicated ``torch.cuda.Stream``. They are *enqueued
 by* :meth:`~CopyExecutor.submit` (kernel launches are asynchronous, so this
@@ -25,120 +26,18 @@ completes inside ``submit`` and no tensor is touched.
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import anyio.to_thread
 import torch
 
 from akv.errors import ActorCrashed, InvalidInput, ManagerClosed
+from akv.storage.copy_ticket import CopyTicket
 from akv.storage.kv_pool import IndexLike, KVStorage
 
 _ACTOR = "stream worker"
-logger = logging.getLogger(__name__)
-
-
-class CopyTicket:
-    """One submitted copy batch: a thread-safe completion plus a CUDA fence.
-
-    Attributes:
-        seq_no: Submission number, 1 for the first batch of an executor.
-        num_blocks: Block pairs copied by the batch.
-        nbytes: Bytes written (``num_blocks * bytes_per_block``; 0 in metadata mode).
-        fence: On CUDA, a ``torch.cuda.Event`` recorded on the copy stream after
-            the copies, already recorded when :meth:`CopyExecutor.submit`
-            returns; a consumer orders its stream after the copies with
-            ``torch.cuda.current_stream().wait_event(ticket.fence)`` before it
-            reads a destination or writes a source block. ``None`` on CPU and
-            in metadata mode (wait on the ticket instead).
-    """
-
-    __slots__ = ("_callbacks", "_done", "_exc", "_lock", "fence", "nbytes", "num_blocks", "seq_no")
-
-    def __init__(self, *, seq_no: int, num_blocks: int, nbytes: int, fence: torch.cuda.Event | None) -> None:
-        self.seq_no = seq_no
-        self.num_blocks = num_blocks
-        self.nbytes = nbytes
-        self.fence = fence
-        self._done = threading.Event()
-        self._exc: BaseException | None = None
-        self._callbacks: list[Callable[[CopyTicket], object]] = []
-        self._lock = threading.Lock()
-
-    def done(self) -> bool:
-        """True once the batch has finished or failed (non-blocking)."""
-        return self._done.is_set()
-
-    def exception(self) -> BaseException | None:
-        """The batch's exception if it failed; ``None`` if it succeeded or is still pending."""
-        return self._exc
-
-    def wait(self, timeout_s: float | None = None) -> None:
-        """Block the calling thread until the batch is done.
-
-        Args:
-            timeout_s: Seconds to wait at most; ``None`` waits forever.
-
-        Raises:
-            TimeoutError: Not done within ``timeout_s``.
-            BaseException: The copy's own exception, re-raised, if it failed.
-        """
-        if not self._done.wait(timeout_s):
-            raise TimeoutError(f"copy batch {self.seq_no} not done after {timeout_s} s")
-        if self._exc is not None:
-            raise self._exc
-
-    async def wait_async(self) -> None:
-        """Wait without blocking the event loop (anyio).
-
-        Returns at once if done; otherwise blocks a worker thread
-        (``anyio.to_thread.run_sync(..., abandon_on_cancel=True)``), so a
-        cancelled caller returns promptly; the abandoned thread ends when the
-        batch completes (every batch completes or fails, also on close). Each
-        pending wait holds one anyio worker thread (default limit 40); an actor
-        with many tickets in flight should rather use :meth:`add_done_callback`.
-
-        Raises:
-            BaseException: The copy's own exception, re-raised, if it failed.
-        """
-        if not self._done.is_set():
-            await anyio.to_thread.run_sync(self._done.wait, abandon_on_cancel=True)
-        if self._exc is not None:
-            raise self._exc
-
-    def add_done_callback(self, fn: Callable[[CopyTicket], object]) -> None:
-        """Call ``fn(ticket)`` once done, from the worker thread (or now if already done).
-
-        ``fn`` must be quick and thread-safe, e.g. ``loop.call_soon_threadsafe``
-        or an ``anyio.from_thread`` call; its exceptions are logged and otherwise ignored.
-        """
-        with self._lock:
-            if not self._done.is_set():
-                self._callbacks.append(fn)
-                return
-        _call_quietly(fn, self)
-
-    def _finish(self, exc: BaseException | None) -> None:
-        with self._lock:
-            self._exc = exc
-            self._done.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            _call_quietly(fn, self)
-
-    def __repr__(self) -> str:
-        state = "pending" if not self.done() else ("failed" if self._exc else "done")
-        return f"CopyTicket(seq_no={self.seq_no}, num_blocks={self.num_blocks}, {state})"
-
-
-def _call_quietly(fn: Callable[[CopyTicket], object], ticket: CopyTicket) -> None:
-    try:
-        fn(ticket)
-    except Exception:  # a callback must not kill the worker; report it and go on
-        logger.exception("done callback of copy batch %d failed", ticket.seq_no)
 
 
 @dataclass(slots=True)
