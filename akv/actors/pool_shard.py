@@ -23,6 +23,7 @@ the shard), and when the actor stops.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Hashable
@@ -39,6 +40,7 @@ from akv.core.shard_state import ShardCounters, ShardState, apply_tree_ops, driv
 from akv.core.step import StepOutcome, StepRequest
 from akv.errors import AkvError, PoolExhausted
 from akv.obs.tracing import AkvTracer
+from akv.storage.copy_ticket import loop_scheduler
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -147,6 +149,7 @@ class PoolShardActor(Actor):
         self._room_event: anyio.Event | None = None  # made on demand: no waiter, no cost
         self._room_hint = False  # the message being served freed sequences or evicted blocks
         self._thread_id = threading.get_ident()  # the event loop's thread
+        self._schedule: Callable[[Callable[[], object]], object] | None = None
 
     def room_changed(self) -> anyio.Event:
         """An event set once room may have grown (or the actor stopped); take it before asking :class:`Room`.
@@ -157,6 +160,7 @@ class PoolShardActor(Actor):
         """
         if self._room_event is None:
             self._room_event = anyio.Event()
+            self._schedule = loop_scheduler()  # the waiters' loop, for wake-ups from the copy thread
         return self._room_event
 
     def close(self) -> None:
@@ -266,8 +270,9 @@ class PoolShardActor(Actor):
             return
         if threading.get_ident() == self._thread_id:
             self._wake_room()
-        else:
-            anyio.from_thread.run_sync(self._wake_room)
+            return
+        with contextlib.suppress(RuntimeError):  # the loop has ended: nobody is left to wake
+            self._schedule(self._wake_room)  # non-blocking: the copy thread never waits on the loop
 
     def _log_step(self, request: StepRequest, outcome: StepOutcome) -> None:
         """Debug events of one step, each carrying the sequence that caused it (see docs/logging.md)."""

@@ -173,11 +173,7 @@ class _LoopWaiters:
         self.native = native
         self.event = anyio.Event()
         self.count = 0
-        # Both are non-blocking and thread-safe: the worker thread never waits on the loop.
-        schedule = getattr(native, "call_soon_threadsafe", None) or getattr(native, "run_sync_soon", None)
-        if schedule is None:
-            raise RuntimeError(f"no thread-safe scheduling call on event loop token {native!r}")
-        self.schedule: Callable[[Callable[[], object]], object] = schedule
+        self.schedule = _scheduler_of(native)
 
     def wake(self, seq_no: int) -> None:
         """From any thread: set the event inside its loop (a no-op if that loop has ended)."""
@@ -185,6 +181,24 @@ class _LoopWaiters:
             self.schedule(self.event.set)
         except RuntimeError as err:  # asyncio "Event loop is closed", trio.RunFinishedError
             log.debug("copy.waiters_loop_gone", seq_no=seq_no, error=repr(err))
+
+
+def loop_scheduler() -> Callable[[Callable[[], object]], object]:
+    """The running event loop's non-blocking, thread-safe "run this soon" call.
+
+    ``loop.call_soon_threadsafe`` on asyncio and uvloop, ``TrioToken.run_sync_soon``
+    on trio: another thread hands the loop a callback without waiting for it,
+    so a copy thread never blocks on a busy loop. Call it inside the loop; use
+    the result from any thread (it raises ``RuntimeError`` once the loop ended).
+    """
+    return _scheduler_of(anyio.lowlevel.current_token().native_token)
+
+
+def _scheduler_of(native: object) -> Callable[[Callable[[], object]], object]:
+    schedule = getattr(native, "call_soon_threadsafe", None) or getattr(native, "run_sync_soon", None)
+    if schedule is None:
+        raise RuntimeError(f"no thread-safe scheduling call on event loop token {native!r}")
+    return schedule
 
 
 def _call_quietly(fn: Callable[[CopyTicket], object], ticket: CopyTicket) -> None:
