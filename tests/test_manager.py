@@ -36,6 +36,13 @@ from akv.storage import KVStorage
 
 pytestmark = pytest.mark.anyio
 
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Run every anyio test of this module on asyncio and on trio."""
+    return request.param
+
+
 BS = 4
 VOCAB = 1000
 

@@ -21,6 +21,12 @@ from tests.test_replay import BLOCK, TRACE_BLOCK, restore_logging, synthetic_req
 __all__ = ["restore_logging"]  # the fixture, imported for its use here
 
 
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Run every anyio test of this module on asyncio and on trio."""
+    return request.param
+
+
 def scrape(registry) -> dict[tuple[str, tuple], float]:
     """Sample name and sorted labels -> value, parsed as a Prometheus client would."""
     text = generate_latest(registry).decode()

@@ -33,6 +33,13 @@ from akv.testing.model import PagedBatch, TinyLM, TinyLMConfig
 
 pytestmark = pytest.mark.anyio
 
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Run every anyio test of this module on asyncio and on trio."""
+    return request.param
+
+
 DEVICE = "cpu"
 ATOL = 1e-4
 CONFIG = TinyLMConfig(seed=0)

@@ -20,6 +20,13 @@ from akv.stress.kv_io import append, block_states, prefill, quiesce, reads_back,
 
 pytestmark = pytest.mark.anyio
 
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Run every anyio test of this module on asyncio and on trio."""
+    return request.param
+
+
 BS = 4
 
 

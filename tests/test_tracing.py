@@ -11,6 +11,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from akv import KVCacheManager
 
 
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Run every anyio test of this module on asyncio and on trio."""
+    return request.param
+
+
 @pytest.fixture
 def spans():
     """A local TracerProvider (the global one is never touched) and its in-memory exporter."""
