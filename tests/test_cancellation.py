@@ -20,6 +20,8 @@ from collections.abc import Awaitable, Callable
 import anyio
 import pytest
 
+from akv.actors.messages import Step
+from akv.actors.pool_shard import PoolShardActor
 from akv.core.step import Admit
 from akv.errors import PoolExhausted
 from akv.manager import KVCacheManager
@@ -231,10 +233,23 @@ async def test_wait_copies_waits_for_the_copy_of_a_step_whose_caller_was_cancell
         real_copy(self, src, dst)
 
     monkeypatch.setattr(KVStorage, "_copy_unchecked", slow_copy)
+    scope = anyio.CancelScope()
+    real_handle = PoolShardActor.handle
+
+    def handle_then_cancel(self: PoolShardActor, msg):
+        result = real_handle(self, msg)
+        if isinstance(msg, Step):
+            scope.cancel()  # on the shard's task, before the reply: the caller is cancelled mid-wait
+        return result
+
     async with KVCacheManager(tiny_config(num_blocks=16)) as kv:
         await _forked(kv)
         kv._shards[0].direct = False  # the append is queued: the caller waits for the reply
-        assert await run_cancelled(lambda: kv.append("s1", [9]), 1) is False
+        monkeypatch.setattr(PoolShardActor, "handle", handle_then_cancel)
+        with scope:
+            await kv.append("s1", [9])
+        assert scope.cancelled_caught
+        monkeypatch.setattr(PoolShardActor, "handle", real_handle)
         assert (await kv.sequence("s1")).token_ids == (*PROMPT, 9)  # applied although cancelled
         await kv.wait_copies()
         assert copy_started.is_set()
