@@ -927,31 +927,36 @@ async def test_shutdown_with_calls_in_flight_raises_instead_of_hanging(tiny_conf
 async def test_crashed_actor_fails_every_call_and_exit(tiny_config, monkeypatch) -> None:
     real_step = ShardState.step
 
+    boom_served = anyio.Event()
+
     def exploding_step(self, request):
         if any("boom" in str(adm.seq_id) for adm in request.admits):
-            yield [("size",)]  # one tree round trip: the other callers' asks queue up meanwhile
+            yield [("size",)]  # one tree round trip
+            boom_served.set()
             raise RuntimeError("boom")
         return (yield from real_step(self, request))
 
     monkeypatch.setattr(ShardState, "step", exploding_step)
-    errors: list[BaseException] = []
+    outcomes: dict[object, BaseException | None] = {}
 
-    async def pending(kv: KVCacheManager, i: int) -> None:
+    async def pending(kv: KVCacheManager, i: object, after_boom: bool = True) -> None:
+        if after_boom:
+            await boom_served.wait()
         try:
             await kv.add_sequence(f"p{i}", [1, 2, 3])
+            outcomes[i] = None
         except BaseException as exc:
-            errors.append(exc)
+            outcomes[i] = exc
 
     with anyio.fail_after(60):
         with pytest.raises(ActorCrashed) as at_exit:
             async with KVCacheManager(tiny_config()) as kv:
                 await kv.add_sequence("fine", [1, 2, 3])
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(pending, kv, -1)
-                    await anyio.sleep(0)
-                    tg.start_soon(pending, kv, "boom")
-                    for i in range(8):
+                    tg.start_soon(pending, kv, -1, False)  # races the crash: served or refused
+                    for i in range(8):  # these wait for the crash
                         tg.start_soon(pending, kv, i)
+                    tg.start_soon(pending, kv, "boom", False)
                 with pytest.raises(ActorCrashed) as crashed:
                     await kv.add_sequence("boom", [1, 2, 3])
                 assert isinstance(crashed.value.__cause__, RuntimeError)
@@ -967,9 +972,10 @@ async def test_crashed_actor_fails_every_call_and_exit(tiny_config, monkeypatch)
                         await call()
     assert at_exit.value.actor == "pool_shard_0"
     assert isinstance(at_exit.value.cause, RuntimeError)
-    # p-1 may have finished before the crash; every later call saw the crash.
-    assert len(errors) >= 9
-    assert all(isinstance(e, ActorCrashed) for e in errors), errors
+    # p-1 may have been served before the crash; boom and every later call saw the crash.
+    assert outcomes.keys() == {-1, "boom", *range(8)}
+    assert outcomes[-1] is None or isinstance(outcomes[-1], ActorCrashed), outcomes[-1]
+    assert all(isinstance(outcomes[i], ActorCrashed) for i in ("boom", *range(8))), outcomes
 
     monkeypatch.undo()
     async with KVCacheManager(tiny_config()) as fresh:
