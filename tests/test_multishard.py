@@ -21,7 +21,7 @@ from akv.actors.pool_shard import PoolShardActor
 from akv.errors import PoolExhausted, RequestTooLarge, UnknownSequence
 from tests.checkpoints import run_cancelled
 from tests.eviction_passes import EvictionPasses
-from tests.test_manager import BS, Runner, snapshot
+from tests.manager_helpers import BS, Runner, snapshot
 
 pytestmark = pytest.mark.anyio
 
