@@ -1,12 +1,15 @@
 """Cancellation at any await point of any public call leaks nothing (issue 3).
 
 For every public call, the call runs under a cancel scope that a helper task
-cancels after it has passed ``k`` scheduler checkpoints, for k = 0 (cancelled
-before the call starts), 1, 2, ... until the call finishes before the
-cancellation lands. After each try the
-test cleans up by id (``free`` is idempotent) and asserts the full
-consistency check passes, no block is active or in flight, and no sequence is
-left.
+cancels after it has passed ``k`` scheduler checkpoints (:mod:`tests.checkpoints`),
+for k = 0 (cancelled before the call starts), 1, 2, ... until the call
+finishes before the cancellation lands; past ``K_MAX // 2`` checkpoints the
+helper first waits for the copies submitted so far (``kv.wait_copies()``), so
+the cancellation lands after the copy thread ran. The sweep runs with the
+shards serving on the caller's task (``direct``) and through their inboxes
+(``queued``). After each try the test cleans up by id (``free`` is
+idempotent) and asserts the full consistency check passes, no block is active
+or in flight, and no sequence is left.
 """
 
 from __future__ import annotations
