@@ -197,15 +197,16 @@ async def test_eviction_loop_relieves_only_the_shard_under_pressure(tiny_config,
 async def test_cancelled_callers_across_four_shards_with_the_eviction_loop_on_leak_nothing(
     tiny_config, monkeypatch, path: str
 ) -> None:
-    """4 shards of 8 blocks, 6 of each cached: 16 callers, 4 at a time (add, commit, append, with a free
-    in ``finally``), cancelled after 0, 1, ..., 15 checkpoints (0, 4, ..., 60 queued), must evict to get blocks, on demand and through
-    the loop (low watermark 2 free per shard, high 4). At the end nothing is held, every published
-    block is either still cached or was evicted, and the prefix cache equals the cached blocks.
-    ``queued``: every message goes through the shards' inboxes (the shielded multi-shard path)."""
+    """4 shards of 8 blocks, 6 of each cached: 16 callers, 4 at a time (add, commit, append, with a
+    free in ``finally``), cancelled after 0, 1, ..., 15 checkpoints (0, 4, ..., 60 when queued), must
+    evict to get blocks, on demand and through the loop (low watermark 2 free per shard, high 4). At
+    the end nothing is held, every published block is either still cached or was evicted, and the
+    prefix cache equals the cached blocks. ``queued``: every message goes through the shards'
+    inboxes (the shielded multi-shard path)."""
     passes = EvictionPasses(monkeypatch)
     cfg = tiny_config(num_blocks=32, num_shards=4, low_watermark=0.25, high_watermark=0.5, eviction_batch_blocks=1)
     async with KVCacheManager(cfg) as kv:
-        for i in range(4):  # 12 fillers of 2 full blocks (published at once), routed round-robin by free room
+        for i in range(4):  # 12 fillers of 2 full blocks (published at once), 3 per shard by free room
             for j in range(3):
                 await kv.step(admits=[Admit(seq_id=f"f{i}{j}", prompt=prompt(100 + 3 * i + j, 8), prefill_done=True)])
         for i in range(4):
