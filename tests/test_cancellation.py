@@ -1,28 +1,36 @@
 """Cancellation at any await point of any public call leaks nothing (issue 3).
 
 For every public call, the call runs under a cancel scope that a helper task
-cancels after it has passed ``k`` scheduler checkpoints, for k = 0 (cancelled
-before the call starts), 1, 2, ... until the call finishes before the
-cancellation lands. After each try the
-test cleans up by id (``free`` is idempotent) and asserts the full
-consistency check passes, no block is active or in flight, and no sequence is
-left.
+cancels after it has passed ``k`` scheduler checkpoints (:mod:`tests.checkpoints`),
+for k = 0 (cancelled before the call starts), 1, 2, ... until the call
+finishes before the cancellation lands; past ``K_MAX // 2`` checkpoints the
+helper first waits for the copies submitted so far (``kv.wait_copies()``), so
+the cancellation lands after the copy thread ran. The sweep runs with the
+shards serving on the caller's task (``direct``) and through their inboxes
+(``queued``). After each try the test cleans up by id (``free`` is
+idempotent) and asserts the full consistency check passes, no block is active
+or in flight, and no sequence is left.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import threading
+import time
 from collections.abc import Awaitable, Callable
 
 import anyio
-import anyio.lowlevel
 import pytest
 
+from akv.actors.messages import Step
+from akv.actors.pool_shard import PoolShardActor
 from akv.core.step import Admit
 from akv.errors import PoolExhausted
 from akv.manager import KVCacheManager
+from akv.storage import KVStorage
 from akv.stress.kv_io import prefill
+from tests.checkpoints import run_cancelled
 
 pytestmark = pytest.mark.anyio
 
@@ -133,27 +141,14 @@ async def _append_then_wait_copies(kv: KVCacheManager) -> None:
     await kv.wait_copies()
 
 
-async def _cancel_after(scope: anyio.CancelScope, k: int) -> None:
-    for _ in range(k):
-        await anyio.lowlevel.checkpoint()
-    if k > K_MAX // 2:
-        # Past every pure event-loop checkpoint, a call waits on the copy thread:
-        # give the thread real time so that some k lands after the copy ran.
-        await anyio.sleep(0.001 * (k - K_MAX // 2))
-    scope.cancel()
-
-
 async def _run_cancelled(kv: KVCacheManager, call: Call, k: int) -> bool:
-    """Run ``call`` under a scope cancelled after ``k`` checkpoints (0: before it starts); True if it finished first."""
-    scope = anyio.CancelScope()
-    if k == 0:
-        scope.cancel()
-    async with anyio.create_task_group() as tg:
-        if k:
-            tg.start_soon(_cancel_after, scope, k)
-        with scope:
-            await call(kv)
-    return not scope.cancelled_caught
+    """Run ``call`` under a scope cancelled after ``k`` checkpoints (0: before it starts); True if it finished first.
+
+    Past ``K_MAX // 2`` pure event-loop checkpoints a call waits on the copy
+    thread: the canceller then first waits for every copy submitted so far to
+    have run, so the later cancellation points land after the copy.
+    """
+    return await run_cancelled(lambda: call(kv), k, wait=kv.wait_copies, wait_at=K_MAX // 2)
 
 
 async def _assert_clean(kv: KVCacheManager) -> None:
@@ -162,24 +157,24 @@ async def _assert_clean(kv: KVCacheManager) -> None:
             await kv.free(seq_id)
     await kv.wait_copies()
     await kv.check()
+    # A step whose caller was cancelled after the shard replied still records its copy ticket,
+    # so wait_copies() waited for that copy too and the shard settles it on the next message.
     s = await kv.stats()
-    assert (s.active, s.num_sequences) == (0, 0)
-    # A step whose caller was cancelled after the shard replied never records its copy
-    # ticket before a fix (see test_stress.py), so wait_copies() did not wait for that copy;
-    # its source block stays in flight until the copy has run and the shard settles it.
-    with anyio.fail_after(5):
-        while s.in_flight:
-            await anyio.sleep(0.001)
-            s = await kv.stats()
+    assert (s.active, s.in_flight, s.num_sequences) == (0, 0, 0)
     assert s.free + s.cached == s.num_blocks
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", pytest.param("trio", marks=TRIO_OK)])
+@pytest.mark.parametrize("path", ["direct", "queued"])
 @pytest.mark.parametrize("name", list(SCENARIOS))
-async def test_cancel_at_every_checkpoint_leaks_nothing(tiny_config, name: str) -> None:
+async def test_cancel_at_every_checkpoint_leaks_nothing(tiny_config, name: str, path: str) -> None:
+    """``direct``: an idle shard serves each message on the caller's task (one cancellation point per
+    ask); ``queued``: every message goes through the shard's inbox and task (more await points)."""
     setup, call = SCENARIOS[name]
     cancelled_at: list[int] = []
     async with KVCacheManager(tiny_config(num_blocks=16)) as kv:
+        for shard in kv._shards:
+            shard.direct = path == "direct"
         for k in range(K_MAX + 1):
             await setup(kv)
             finished = await _run_cancelled(kv, call, k)
@@ -202,12 +197,15 @@ async def test_free_in_finally_of_a_cancelled_request_releases_its_blocks(tiny_c
     gets cancelled. free() is shielded, so the blocks come back (fresh-eyes report: they leaked)."""
     async with KVCacheManager(tiny_config(num_blocks=16, num_shards=num_shards)) as kv:
         started = 0
+        all_started = anyio.Event()
 
         async def request(seq_id: str) -> None:
             nonlocal started
             try:
                 await kv.add_sequence(seq_id, list(range(1, 10)))
                 started += 1
+                if started == 4:
+                    all_started.set()
                 await anyio.sleep_forever()
             finally:
                 assert await kv.free(seq_id) is True
@@ -215,11 +213,49 @@ async def test_free_in_finally_of_a_cancelled_request_releases_its_blocks(tiny_c
         async with anyio.create_task_group() as tg:
             for i in range(4):
                 tg.start_soon(request, f"r{i}")
-            with anyio.fail_after(5):
-                while started < 4:
-                    await anyio.sleep(0.001)
+            with anyio.fail_after(60):  # a hang guard
+                await all_started.wait()
             tg.cancel_scope.cancel()
         await kv.check()
         s = await kv.stats()
         assert (s.num_sequences, s.active) == (0, 0)
         assert s.free + s.cached == s.num_blocks
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", pytest.param("trio", marks=TRIO_OK)])
+async def test_wait_copies_waits_for_the_copy_of_a_step_whose_caller_was_cancelled(tiny_config, monkeypatch) -> None:
+    """The caller of a copy-on-write append is cancelled while its queued step is served: the step is
+    applied and its copy submitted, and ``wait_copies()`` still waits for that copy (the copy is made
+    slow so that it has not run by the next message unless waited for)."""
+    real_copy = KVStorage._copy_unchecked
+    copy_started = threading.Event()
+
+    def slow_copy(self: KVStorage, src, dst) -> None:
+        copy_started.set()
+        time.sleep(0.2)  # on the copy thread: widens the window in which the blocks are in flight
+        real_copy(self, src, dst)
+
+    monkeypatch.setattr(KVStorage, "_copy_unchecked", slow_copy)
+    scope = anyio.CancelScope()
+    real_handle = PoolShardActor.handle
+
+    def handle_then_cancel(self: PoolShardActor, msg):
+        result = real_handle(self, msg)
+        if isinstance(msg, Step):
+            scope.cancel()  # on the shard's task, before the reply: the caller is cancelled mid-wait
+        return result
+
+    async with KVCacheManager(tiny_config(num_blocks=16)) as kv:
+        await _forked(kv)
+        kv._shards[0].direct = False  # the append is queued: the caller waits for the reply
+        monkeypatch.setattr(PoolShardActor, "handle", handle_then_cancel)
+        with scope:
+            await kv.append("s1", [9])
+        assert scope.cancelled_caught
+        monkeypatch.setattr(PoolShardActor, "handle", real_handle)
+        assert (await kv.sequence("s1")).token_ids == (*PROMPT, 9)  # applied although cancelled
+        await kv.wait_copies()
+        assert copy_started.is_set()
+        s = await kv.stats()
+        assert (s.in_flight, s.cow_copies) == (0, 1)
+        await _assert_clean(kv)

@@ -19,6 +19,7 @@ from rich.console import Console
 from akv import Admit, KVCacheManager
 from akv.generate import main_generate, register
 from akv.storage import KVStorage
+from akv.storage.paged_attention import paged_decode_attention, paged_prefill_attention
 from akv.testing.equivalence import compare_beams, compare_generations, leak_report, make_prompt
 from akv.testing.generation import (
     beam_search_dense,
@@ -32,6 +33,13 @@ from akv.testing.generation import (
 from akv.testing.model import PagedBatch, TinyLM, TinyLMConfig
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Run every anyio test of this module on asyncio and on trio."""
+    return request.param
+
 
 DEVICE = "cpu"
 ATOL = 1e-4
@@ -224,3 +232,65 @@ def test_generate_check_needs_no_copy_when_forks_share_only_whole_blocks(argv: t
     code, text = run_generate("--check", "--seed", "2", *argv)
     assert code == 0, text
     assert "all 4 checks match" in text
+
+
+def _dense_reference(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal_from: int | None) -> torch.Tensor:
+    """float32 softmax attention of ``(Q, H, D)`` queries over ``(T, H_kv, D)`` keys and values.
+
+    ``causal_from``: the first query's position (query ``i`` sees keys ``<= causal_from + i``);
+    None: every query sees every key.
+    """
+    group = query.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,thd->hqt", query, k) / query.shape[-1] ** 0.5
+    if causal_from is not None:
+        pos_q = torch.arange(query.shape[0])[:, None] + causal_from
+        scores = scores.masked_fill(torch.arange(k.shape[0])[None] > pos_q, float("-inf"))
+    return torch.einsum("hqt,thd->qhd", scores.softmax(-1), v)
+
+
+def test_bfloat16_paged_attention_matches_a_float32_reference_within_bf16_tolerance() -> None:
+    """bf16 cache and queries (GQA, 3 sequences over scattered blocks): decode and prefill outputs
+    agree with float32 dense attention on the same (unrounded) values within bf16 tolerance."""
+    gen = torch.Generator().manual_seed(7)
+    num_blocks, block_size, num_kv_heads, num_heads, head_dim = 24, 4, 2, 8, 16
+    # (2, num_blocks, block_size, num_kv_heads, head_dim), K then V
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    perm = torch.randperm(num_blocks, generator=gen)
+    lens = [13, 4, 22]
+    tables = torch.zeros(3, 6, dtype=torch.int32)
+    used = 0
+    for row, n in enumerate(lens):
+        count = -(-n // block_size)
+        tables[row, :count] = perm[used : used + count]
+        used += count
+    dense = [
+        (
+            cache[0][tables[r, : -(-n // block_size)].long()].flatten(0, 1)[:n],
+            cache[1][tables[r, : -(-n // block_size)].long()].flatten(0, 1)[:n],
+        )
+        for r, n in enumerate(lens)
+    ]
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    tolerance = {"rtol": 1.6e-2, "atol": 1e-2}  # bf16 keeps 8 significant bits: ~4e-3 per rounding
+
+    query = torch.randn(3, num_heads, head_dim, generator=gen)
+    out16 = paged_decode_attention(query.bfloat16(), cache.bfloat16(), tables, context_lens)
+    assert out16.dtype is torch.bfloat16
+    want = torch.stack(
+        [_dense_reference(query[r : r + 1], k, v, causal_from=None)[0] for r, (k, v) in enumerate(dense)]
+    )
+    torch.testing.assert_close(out16.float(), want, **tolerance)
+
+    q_lens = [5, 4, 1]  # the last 5, 4 and 1 tokens of each context are new (chunked prefill)
+    packed = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen)
+    starts = torch.tensor([0, 5, 9, 10], dtype=torch.int32)
+    out16 = paged_prefill_attention(packed.bfloat16(), cache.bfloat16(), tables, starts, context_lens)
+    assert out16.dtype is torch.bfloat16
+    want = torch.cat(
+        [
+            _dense_reference(packed[starts[r] : starts[r + 1]], k, v, causal_from=lens[r] - q_lens[r])
+            for r, (k, v) in enumerate(dense)
+        ]
+    )
+    torch.testing.assert_close(out16.float(), want, **tolerance)

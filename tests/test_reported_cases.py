@@ -16,9 +16,17 @@ import pytest
 from akv.core.step import Admit
 from akv.errors import InvalidInput, InvalidTokens, PoolExhausted, RequestTooLarge, UnknownSequence
 from akv.manager import KVCacheManager
-from akv.stress.kv_io import append, block_states, prefill, quiesce, reads_back, refcounts, write
+from akv.stress.kv_io import append, block_states, prefill, reads_back, refcounts, write
+from tests.eviction_passes import EvictionPasses
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Run every anyio test of this module on asyncio and on trio."""
+    return request.param
+
 
 BS = 4
 
@@ -75,9 +83,10 @@ B_PROMPT = [31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43]  # needs all 4 b
 
 
 @pytest.mark.parametrize("evictor", ["on_demand", "eviction_loop"])
-async def test_case2_evicted_block_leaves_prefix_cache_before_reuse(tiny_config, evictor: str) -> None:
+async def test_case2_evicted_block_leaves_prefix_cache_before_reuse(tiny_config, monkeypatch, evictor: str) -> None:
     """An evicted block reused for another prompt never serves the old prefix."""
     cfg = config(tiny_config) if evictor == "on_demand" else config(tiny_config, low_watermark=0.75, high_watermark=1.0)
+    passes = EvictionPasses(monkeypatch)
     async with KVCacheManager(cfg) as kv:
         assert await prefill(kv, "a", A_PROMPT) == 0
         assert (await kv.sequence("a")).block_ids == (0, 1, 2)
@@ -85,11 +94,10 @@ async def test_case2_evicted_block_leaves_prefix_cache_before_reuse(tiny_config,
         if evictor == "on_demand":
             assert await block_states(kv) == (2, 0, 2, 0, 0)
             assert await kv.lookup(A_PROMPT) == 8
-        else:
-            with anyio.fail_after(5):
-                while (await kv.stats()).cached:
-                    await anyio.sleep(0.001)
-            assert (await kv.stats()).eviction_loop_blocks == 2
+        else:  # 2 free of 4, below the low watermark of 3: the loop refills to 4
+            await passes.wait_refilled(0, 4)
+            stats = await kv.stats()
+            assert (stats.free, stats.cached, stats.eviction_loop_blocks, stats.eviction_loop_batches) == (4, 0, 2, 1)
             assert await kv.lookup(A_PROMPT) == 0
 
         assert await prefill(kv, "b", B_PROMPT) == 0  # takes every block, the evicted ones too
@@ -99,14 +107,23 @@ async def test_case2_evicted_block_leaves_prefix_cache_before_reuse(tiny_config,
         assert stats.prefix_cache_blocks == 3  # b's own 3 full committed blocks, not a's
         assert await kv.lookup(A_PROMPT) == 0
         assert await reads_back(kv, "b")
+        since = len(passes.passes)
         await kv.free("b")
+        if evictor == "eviction_loop":  # 1 free, 3 cached: the loop evicts b's 3 blocks
+            await passes.wait_refilled(0, 4, since=since)
+            assert (await kv.stats()).eviction_loop_blocks == 2 + 3
 
         assert await prefill(kv, "a2", A_PROMPT) == 0  # the old prefix never matches a reused block
         assert await reads_back(kv, "a2")
         if evictor == "on_demand":  # a2 evicted b's two deepest blocks (leaves first); b's first block stays
             assert await kv.lookup(B_PROMPT) == 4
+        since = len(passes.passes)
         await kv.free("a2")
-        await quiesce(kv)  # no eviction batch between check()'s tree snapshot and its shard check
+        if evictor == "eviction_loop":  # 2 free, 2 cached: the loop evicts a2's 2 blocks
+            await passes.wait_refilled(0, 4, since=since)
+            assert (await kv.stats()).eviction_loop_blocks == 2 + 3 + 2  # a's, then b's, then a2's
+        else:
+            assert passes.passes == []
         await kv.check()
 
 
@@ -267,9 +284,10 @@ async def test_case7_too_large_fails_at_once_and_holds_nothing(tiny_config) -> N
     """A request larger than the pool fails permanently, holds nothing, and does not delay the next one."""
     async with KVCacheManager(config(tiny_config)) as kv:
         big = list(range(1, 18))  # 17 tokens = 5 blocks > 4
-        with anyio.fail_after(1):
-            with pytest.raises(RequestTooLarge) as info:
-                await kv.add_sequence("big", big)
+        handled = kv._shards[0].messages_handled
+        with pytest.raises(RequestTooLarge) as info:
+            await kv.add_sequence("big", big)
+        assert kv._shards[0].messages_handled == handled + 1  # at once: one message, no wait for room
         assert info.value.requested_blocks == 5 and info.value.num_blocks == 4
         assert not isinstance(info.value, PoolExhausted)
         assert await block_states(kv) == (4, 0, 0, 0, 0)

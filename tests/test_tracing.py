@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-import anyio
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from akv import KVCacheManager
+from tests.eviction_passes import EvictionPasses
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Run every anyio test of this module on asyncio and on trio."""
+    return request.param
 
 
 @pytest.fixture
@@ -67,8 +73,9 @@ async def test_public_calls_form_a_span_tree_across_actors(tiny_config, spans, n
 
 
 @pytest.mark.anyio
-async def test_eviction_loop_batches_are_spans(tiny_config, spans) -> None:
+async def test_eviction_loop_batches_are_spans(tiny_config, spans, monkeypatch) -> None:
     provider, exporter = spans
+    passes = EvictionPasses(monkeypatch)
     cfg = tiny_config(num_blocks=8, low_watermark=0.5, high_watermark=0.75)
     async with KVCacheManager(cfg, tracer_provider=provider) as kv:
         for i in range(3):  # 2 blocks each, published, then cached once freed
@@ -77,11 +84,10 @@ async def test_eviction_loop_batches_are_spans(tiny_config, spans) -> None:
             await kv.commit(f"s{i}", 8)
             await kv.free(f"s{i}")
         await kv.add_sequence("big", list(range(100, 109)))  # pushes usage above the low watermark
-        for _ in range(50):
-            if (await kv.stats()).eviction_loop_batches:
-                break
-            await anyio.sleep(0.01)
+        # The loop evicts every cached block (the high mark of 6 free is out of reach while big holds 3).
+        await passes.wait_for(lambda done: any(p.free_blocks == 8 - 3 for p in done))
         stats = await kv.stats()
+        assert (stats.free, stats.cached, stats.blocks_evicted) == (5, 0, 6)
     # A pass that found nothing left to evict is a span too (akv.blocks == 0).
     batches = [s for s in exporter.get_finished_spans() if s.name == "akv.evict_batch" and s.attributes["akv.blocks"]]
     assert stats.eviction_loop_batches > 0
