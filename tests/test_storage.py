@@ -286,6 +286,8 @@ def test_paged_attention_scale_and_dtype() -> None:
     )
     out16 = paged_decode_attention(q.bfloat16(), cache.bfloat16(), tables, lens)
     assert out16.dtype is torch.bfloat16
+    reference = paged_decode_attention(q.bfloat16().float(), cache.bfloat16().float(), tables, lens)
+    torch.testing.assert_close(out16.float(), reference, atol=2e-2, rtol=2e-2)  # bf16: 8 mantissa bits
 
 
 def test_paged_attention_rejects_bad_input() -> None:
