@@ -898,11 +898,22 @@ class KVCacheManager:
         return await self._ask(self._shards[self._route[seq_id]], Inspect(seq_id))
 
     async def wait_copies(self) -> None:
-        """Wait until every copy submitted so far has run."""
+        """Wait until every copy submitted so far has run, and settle the shards.
+
+        A shard releases a finished copy's pins when it serves its next
+        message; this call sends each shard one (:class:`Stats`), so right
+        after it returns :meth:`stats`, the metrics scrape and the gauges show
+        no block in flight for those copies.
+
+        Raises:
+            ActorCrashed, ManagerClosed: The manager is not running.
+        """
         self._check_running()
         for ticket in list(self._tickets):
             await ticket.wait_async()
         self._tickets = [t for t in self._tickets if not t.done()]
+        for shard in self._shards:
+            await self._ask(shard, Stats())
 
     async def stats(self) -> CacheStats:
         """Snapshot of block states, counters and actor inbox depths."""

@@ -280,12 +280,6 @@ async def test_served_metrics_parse_and_agree_with_stats(tiny_config) -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    strict=True,
-    reason="akv: a shard settles a finished copy only on its next message, so a scrape right after "
-    "wait_copies() still shows the copy's freed source block in flight (and not counted as freed), "
-    "while the next stats() shows it free",
-)
 async def test_scrape_right_after_wait_copies_shows_no_block_in_flight(tiny_config, monkeypatch) -> None:
     real_copy = KVStorage._copy_unchecked
     go = threading.Event()
