@@ -32,7 +32,7 @@ import structlog
 import torch
 
 from akv.actors.eviction_loop import EvictionLoop
-from akv.actors.messages import Check, Inspect, Lookup, Room, Stats, Step, Validate
+from akv.actors.messages import Check, Evict, Inspect, Lookup, Room, Stats, Step, Validate
 from akv.actors.pool_shard import PoolShardActor, SequenceInfo, ShardStats
 from akv.actors.runtime import Actor
 from akv.config import KVCacheConfig
@@ -896,6 +896,42 @@ class KVCacheManager:
         if seq_id not in self._route:
             raise UnknownSequence(seq_id)
         return await self._ask(self._shards[self._route[seq_id]], Inspect(seq_id))
+
+    async def evict(self, max_blocks: int) -> int:
+        """Evict up to ``max_blocks`` cached blocks now; return how many were evicted.
+
+        The path the background eviction loop takes (an ``Evict`` message to a
+        shard): only cached leaves of the prefix cache, deepest first, in the
+        eviction policy's order within a shard; never a block a sequence
+        references or a pending copy pins. An admission's prefix hits are
+        protected inside the shard's step, which is atomic, so no message runs
+        between its match and its pin. Each shard's policy clock is its own:
+        with several shards they are asked in index order, each for what is
+        still wanted. Evicted blocks are free at once.
+
+        Args:
+            max_blocks: Most blocks to evict (an ``int >= 0``; 0 evicts nothing).
+
+        Returns:
+            Blocks evicted (``<= max_blocks``; fewer when fewer are evictable).
+
+        Raises:
+            InvalidInput: ``max_blocks`` is not an int ``>= 0`` (a bool is refused).
+            ActorCrashed, ManagerClosed: The manager is not running.
+        """
+        self._check_running()
+        if type(max_blocks) not in (int, *NUMPY_INTEGER_TYPES) or max_blocks < 0:
+            raise InvalidInput(f"max_blocks must be an int >= 0, got {describe(max_blocks)}")
+        want = int(max_blocks)
+        if len(self._shards) == 1:
+            return await self._ask(self._shards[0], Evict(want)) if want else 0
+        evicted = 0
+        async with self._sharded_lock:  # not between a sharded step's validation and its application
+            for shard in self._shards:
+                if evicted >= want:
+                    break
+                evicted += await self._ask(shard, Evict(want - evicted))
+        return evicted
 
     async def wait_copies(self) -> None:
         """Wait until every copy submitted so far has run, and settle the shards.
