@@ -127,6 +127,7 @@ class KVCacheManager:
                     cfg.block_size,
                     enable_prefix_cache=cfg.enable_prefix_cache,
                     eviction_policy=cfg.eviction_policy,
+                    null_block_id=cfg.null_block_id,
                 )
             except MemoryError:
                 self._shards.clear()
@@ -582,7 +583,9 @@ class KVCacheManager:
         tables = context = qsl = slots = None
         if with_meta:
             width = max(o.block_tables.shape[1] for o in with_meta)
-            tables = np.zeros((sum(o.block_tables.shape[0] for o in with_meta), width), dtype=np.int32)
+            tables = np.full(
+                (sum(o.block_tables.shape[0] for o in with_meta), width), self.config.null_block_id, dtype=np.int32
+            )
             row = 0
             for o in with_meta:
                 b, w = o.block_tables.shape
@@ -1010,6 +1013,16 @@ class KVCacheManager:
         await self.wait_copies()
         for shard in self._shards:
             await self._ask(shard, Check())
+
+    @property
+    def null_block_id(self) -> int:
+        """The block id that pads every block table: ``config.num_blocks`` (see :attr:`KVCacheConfig.null_block_id`).
+
+        Never allocated, cached or evicted; the storage has one block for it
+        past the usable ones, so a model runner may read it or write garbage
+        into its slots without touching any sequence's K/V.
+        """
+        return self.config.null_block_id
 
     @property
     def usage(self) -> float:
