@@ -940,9 +940,10 @@ class KVCacheManager:
         """Wait until every copy submitted so far has run, and settle the shards.
 
         A shard releases a finished copy's pins when it serves its next
-        message; this call sends each shard one (:class:`Stats`), so right
-        after it returns :meth:`stats`, the metrics scrape and the gauges show
-        no block in flight for those copies.
+        message; this call sends one (:class:`Stats`) to each shard that
+        published pins not yet released, so right after it returns
+        :meth:`stats`, the metrics scrape and the gauges show no block in
+        flight for those copies.
 
         Raises:
             ActorCrashed, ManagerClosed: The manager is not running.
@@ -952,7 +953,8 @@ class KVCacheManager:
             await ticket.wait_async()
         self._tickets = [t for t in self._tickets if not t.done()]
         for shard in self._shards:
-            await self._ask(shard, Stats())
+            if shard.pinned_copies:
+                await self._ask(shard, Stats())
 
     async def stats(self) -> CacheStats:
         """Snapshot of block states, counters and actor inbox depths."""
