@@ -35,7 +35,6 @@ Run it against your own storage or manager by overriding the hooks::
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib.util
 from collections.abc import Hashable
@@ -50,33 +49,17 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from akv.config import MODEL_SHAPES, KVCacheConfig
 from akv.core.eviction_policy import EVICTION_POLICIES
 from akv.core.step import Admit
-from akv.errors import PoolExhausted, RequestTooLarge
+from akv.errors import (
+    PoolExhausted,
+    RequestTooLarge,
+    UnknownSequence,
+)
 from akv.manager import KVCacheManager
 from akv.results import StepResult
-from akv.testing.prefix_model import ModelSequence, PrefixModel, history_values
+from akv.testing.prefix_model import PrefixModel, history_values
+from akv.testing.step_plans import INVALID, WATERMARKS, StepPlan, draw_plan, draw_prompt, draw_tokens
 
 __all__ = ["ManagerMachine", "TestManagerMachine"]
-
-#: Prompt prefixes: 0 and 1 share their first two blocks (of 4 tokens), 2 shares nothing.
-PREFIXES: tuple[tuple[int, ...], ...] = (
-    tuple(range(100, 116)),
-    tuple(range(100, 108)) + tuple(range(200, 208)),
-    tuple(range(300, 316)),
-)
-#: ``(low_watermark, high_watermark)``: the eviction loop off, or on.
-WATERMARKS: tuple[tuple[float, float], ...] = ((0.0, 0.0), (0.1, 0.25), (0.3, 0.6))
-
-
-@dataclasses.dataclass
-class StepPlan:
-    """One scheduler step as the machine drew it (the arguments of :meth:`KVCacheManager.step`)."""
-
-    frees: list = dataclasses.field(default_factory=list)
-    preempted: list = dataclasses.field(default_factory=list)
-    commits: dict = dataclasses.field(default_factory=dict)
-    forks: list = dataclasses.field(default_factory=list)
-    appends: dict = dataclasses.field(default_factory=dict)
-    admits: list = dataclasses.field(default_factory=list)
 
 
 def _backends() -> tuple[str, ...]:
@@ -202,62 +185,23 @@ class ManagerMachine(RuleBasedStateMachine):
 
     # ---------------------------------------------------------------- drawing
     def _draw_prompt(self, data: st.DataObject) -> list[int]:
-        which = data.draw(st.integers(0, len(PREFIXES) - 1), label="prefix")
-        cut = data.draw(st.sampled_from([0, 3, 4, 5, 8, 9, 12, 16, 16, 16]), label="cut")
-        suffix = data.draw(st.lists(st.integers(0, 3), max_size=6), label="suffix")
-        prompt = list(PREFIXES[which][:cut]) + suffix or [PREFIXES[which][0]]
-        if data.draw(st.integers(0, 24), label="oversized") == 7:
-            prompt += [5] * (self.num_blocks * self.block_size // self.num_shards)  # more than a shard holds
-        return prompt
+        return draw_prompt(data, self.num_blocks * self.block_size // self.num_shards)
 
     def _draw_tokens(self, data: st.DataObject) -> Any:
-        tokens = data.draw(st.lists(st.sampled_from([0, 0, 1, 2]), min_size=1, max_size=6), label="tokens")
-        if data.draw(st.integers(0, 24), label="oversized") == 7:
-            return [1] * (self.num_blocks * self.block_size + 1)
-        if len(tokens) == 1 and data.draw(st.booleans(), label="as int"):
-            return tokens[0]
-        return tokens
+        return draw_tokens(data, self.num_blocks * self.block_size + 1)
 
     def _draw_plan(self, data: st.DataObject) -> StepPlan:
-        plan = StepPlan()
-        live = self._live()
-        subset = functools.partial(st.lists, unique=True, max_size=2)
-        if live and data.draw(st.integers(0, 2), label="free some") == 0:
-            plan.frees = data.draw(subset(st.sampled_from(live), min_size=1), label="frees")
-        rest = [s for s in live if s not in plan.frees]
-        if rest and data.draw(st.integers(0, 4), label="preempt one") == 0:
-            plan.preempted = [data.draw(st.sampled_from(rest), label="preempted")]
-        rest = [s for s in live if s not in plan.frees and s not in plan.preempted]
-        for sid in rest:
-            seq = self.model.sequences[sid]
-            open_ = len(seq.tokens) - seq.committed
-            if open_ and data.draw(st.booleans(), label=f"commit {sid}"):
-                plan.commits[sid] = data.draw(st.sampled_from(sorted({0, open_, open_, max(1, open_ - 2)})))
-        room = self.max_sequences - len(rest)
-        if rest and room > 0 and data.draw(st.integers(0, 3), label="fork") == 0:
-            parent = data.draw(st.sampled_from(rest), label="parent")
-            kids = [self._fresh_id() for _ in range(data.draw(st.integers(1, min(2, room)), label="children"))]
-            plan.forks.append((parent, kids))
-            rest += kids
-            room -= len(kids)
-        for sid in data.draw(subset(st.sampled_from(rest), max_size=3), label="appends") if rest else []:
-            plan.appends[sid] = self._draw_tokens(data)
-        for _ in range(data.draw(st.sampled_from([0, 1, 1, 2, 3]), label="admits") if room > 0 else 0):
-            if room <= 0:
-                break
-            room -= 1
-            resumable = [s for s in self.preempted if s not in self.model.sequences or s in plan.frees]
-            if resumable and data.draw(st.booleans(), label="resume"):
-                sid = data.draw(st.sampled_from(sorted(resumable, key=str)), label="resumed")
-                ns, history = self.preempted.pop(sid)
-                plan.admits.append(Admit(seq_id=sid, prompt=history, namespace=ns, resumed=True))
-                continue
-            ns = data.draw(st.sampled_from(self.namespaces), label="namespace")
-            prefill_done = data.draw(st.booleans(), label="prefill_done")
-            plan.admits.append(
-                Admit(seq_id=self._fresh_id(), prompt=self._draw_prompt(data), namespace=ns, prefill_done=prefill_done)
-            )
-        return plan
+        return draw_plan(
+            data,
+            self.model,
+            self.preempted,
+            live=self._live(),
+            new_id=self._fresh_id,
+            max_sequences=self.max_sequences,
+            namespaces=self.namespaces,
+            prompt=self._draw_prompt,
+            tokens=self._draw_tokens,
+        )
 
     # ---------------------------------------------------------------- rules
     @rule(data=st.data())
@@ -310,28 +254,97 @@ class ManagerMachine(RuleBasedStateMachine):
         assert all(c.done() for c in self._copies), "wait_copies returned with a copy still pending"
         self._copies.clear()
 
+    @rule(data=st.data(), kind=st.sampled_from(["add_sequence", "append", "commit", "fork", "free", "preempt"]))
+    def one_sequence(self, data: st.DataObject, kind: str) -> None:
+        """One of the one-sequence helpers (each is a one-item step)."""
+        live = self._live()
+        if kind == "add_sequence" or not live:
+            if len(live) < self.max_sequences:
+                self._add_sequence(data)
+            return
+        sid = data.draw(st.sampled_from(live), label="seq")
+        seq = self.model.sequences[sid]
+        note(f"{kind} {sid}")
+        if kind == "append":
+            tokens = self._draw_tokens(data)
+            try:
+                result = self._call(self.kv.append, sid, tokens)
+            except (PoolExhausted, RequestTooLarge) as err:
+                self._check_rejection(
+                    sid, err, len(seq.tokens) + (1 if isinstance(tokens, int) else len(tokens)), seq.shard
+                )
+                return
+            self._run_step(StepPlan(appends={sid: tokens}), result, data)
+        elif kind == "commit":
+            n = len(seq.tokens) - seq.committed
+            self._call(self.kv.commit, sid, n)
+            self.model.commit({sid: n}, lambda s: self._call(self.kv.sequence, s).num_published_blocks)
+        elif kind == "fork":
+            if len(live) < self.max_sequences:
+                kid = self._fresh_id()
+                self._call(self.kv.fork, sid, [kid])
+                self.model.fork(sid, [kid])
+        else:
+            assert self._call(self.kv.free, sid, preempted=kind == "preempt") is True, f"{sid} was live"
+            assert self._call(self.kv.free, sid) is False, f"a second free of {sid} found it live"
+            self.model.sequences.pop(sid)
+            if kind == "preempt":
+                self.preempted[sid] = (seq.namespace, seq.tokens)
+
+    def _add_sequence(self, data: st.DataObject) -> None:
+        """``add_sequence``; then write the prompt's K/V through the block table (it returns no slot mapping)."""
+        bs = self.block_size
+        sid = self._fresh_id()
+        ns = data.draw(st.sampled_from(self.namespaces), label="namespace")
+        prompt = self._draw_prompt(data)
+        note(f"add_sequence {sid} ns={ns!r} {prompt}")
+        try:
+            cached = self._call(self.kv.add_sequence, sid, prompt, namespace=ns)
+        except (PoolExhausted, RequestTooLarge) as err:
+            self._check_rejection(sid, err, len(prompt), None)
+            return
+        self._admitted(Admit(seq_id=sid, prompt=prompt, namespace=ns), cached)
+        table = self._call(self.kv.sequence, sid).block_ids
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(cached, len(prompt))], dtype=torch.int64)
+        self.write_kv(slots, self.expected_kv(ns, prompt)[:, :, cached:])
+
+    @rule(data=st.data(), kind=st.sampled_from(sorted(INVALID)))
+    def invalid_step(self, data: st.DataObject, kind: str) -> None:
+        """A step with one bad item (and a valid admission beside it) raises its typed error and applies nothing."""
+        live = self._live()
+        sid = data.draw(st.sampled_from(live), label="seq") if live else None
+        if sid is None and kind not in ("commit unknown", "fork unknown", "empty prompt", "negative token"):
+            kind = "commit unknown"
+        error, items = INVALID[kind]
+        kw = items(sid, self.model.sequences.get(sid), self.kv.config.vocab_size)
+        bystander = Admit(seq_id=self._fresh_id(), prompt=[1, 2, 3, 4, 5])
+        kw["admits"] = [bystander, *kw.get("admits", [])]
+        note(f"invalid step ({kind}): {kw}")
+        try:
+            self._call(self.kv.step, **kw)
+        except error as err:
+            event(f"invalid step: {type(err).__name__}")
+        else:
+            raise AssertionError(f"{kind}: expected {error.__name__}")
+        try:
+            self._call(self.kv.sequence, bystander.seq_id)
+        except UnknownSequence:
+            pass
+        else:
+            raise AssertionError(f"{kind}: the valid admission beside the bad item was applied")
+
     # ---------------------------------------------------------------- applying
     def _run_step(self, plan: StepPlan, result: StepResult, data: st.DataObject) -> None:
         """Apply a step's result to the model (in the step's order), then write its K/V."""
-        model, bs = self.model, self.block_size
+        model = self.model
         assert sorted(result.freed, key=str) == sorted(plan.frees + plan.preempted, key=str)
         for sid in plan.frees + plan.preempted:
             seq = model.sequences.pop(sid)
             if sid in plan.preempted:
                 self.preempted[sid] = (seq.namespace, seq.tokens)
-        crossed = []
-        for sid, n in plan.commits.items():
-            seq = model.sequences[sid]
-            if (seq.committed + n) // bs > seq.committed // bs:
-                crossed.append(sid)
-            seq.committed += n
-        for sid in plan.commits:
-            model.claim(sid, self._call(self.kv.sequence, sid).num_published_blocks)
-        for sid in crossed:
-            model.check_stop(sid)
+        model.commit(plan.commits, lambda sid: self._call(self.kv.sequence, sid).num_published_blocks)
         for parent, kids in plan.forks:
-            for kid in kids:
-                model.sequences[kid] = model.sequences[parent].copy()
+            model.fork(parent, kids)
         starts = {}
         for sid, tokens in plan.appends.items():
             seq = model.sequences[sid]
@@ -340,38 +353,29 @@ class ManagerMachine(RuleBasedStateMachine):
                 self._check_rejection(sid, result.rejected[sid], len(seq.tokens) + len(tokens), seq.shard)
                 continue
             starts[sid] = len(seq.tokens)
-            if len(seq.tokens) % bs and model.holders()[seq.blocks[-1]] > 1:
-                seq.blocks[-1] = model.fresh(1)[0]  # copy-on-write of the shared partial tail
+            if model.append(sid, tokens):
                 event("copy-on-write")
-            seq.tokens += tokens
-            seq.blocks += model.fresh(model.num_blocks_needed(len(seq.tokens)) - len(seq.blocks))
         for adm in plan.admits:
-            self._admitted(adm, result, starts)
+            if adm.seq_id in result.rejected:
+                event(f"admission rejected: {type(result.rejected[adm.seq_id]).__name__}")
+                self._check_rejection(adm.seq_id, result.rejected[adm.seq_id], len(adm.prompt), None)
+                if adm.resumed:
+                    self.preempted[adm.seq_id] = (adm.namespace, list(adm.prompt))
+                continue
+            self._admitted(adm, result.cached_tokens[adm.seq_id])
+            starts[adm.seq_id] = result.cached_tokens[adm.seq_id]
         self._write_rows(result, starts, data)
 
-    def _admitted(self, adm: Admit, result: StepResult, starts: dict) -> None:
-        """Check one admission's hit against the model and record the new sequence."""
-        model, bs = self.model, self.block_size
+    def _admitted(self, adm: Admit, cached: int) -> None:
+        """Check one admission's hit of ``cached`` tokens against the model and record the new sequence."""
         prompt = list(adm.prompt)
-        if adm.seq_id in result.rejected:
-            note(f"  {adm.seq_id} rejected: {result.rejected[adm.seq_id]!r}")
-            event(f"admission rejected: {type(result.rejected[adm.seq_id]).__name__}")
-            self._check_rejection(adm.seq_id, result.rejected[adm.seq_id], len(prompt), None)
-            if adm.resumed:
-                self.preempted[adm.seq_id] = (adm.namespace, prompt)
-            return
-        cached = result.cached_tokens[adm.seq_id]
-        assert cached % bs == 0 and 0 <= cached < len(prompt), f"{adm.seq_id}: cached {cached} of {len(prompt)}"
+        assert cached % self.block_size == 0 and 0 <= cached < len(prompt), (
+            f"{adm.seq_id}: cached {cached} tokens of a {len(prompt)}-token prompt"
+        )
         info = self._call(self.kv.sequence, adm.seq_id)
-        hits = model.observe_hits(info.shard, adm.namespace, prompt, (len(prompt) - 1) // bs, cached // bs)
-        event("admission hit" if hits else "admission miss")
-        fresh = model.fresh(model.num_blocks_needed(len(prompt)) - len(hits))
-        model.sequences[adm.seq_id] = ModelSequence(adm.namespace, info.shard, prompt, hits + fresh, cached)
-        starts[adm.seq_id] = cached
-        if adm.prefill_done:
-            model.sequences[adm.seq_id].committed = len(prompt)
-            model.claim(adm.seq_id, info.num_published_blocks)
-            model.check_stop(adm.seq_id)
+        published = info.num_published_blocks if adm.prefill_done else None
+        self.model.admit(adm.seq_id, adm.namespace, info.shard, prompt, cached // self.block_size, published)
+        event("admission hit" if cached else "admission miss")
 
     def _check_rejection(self, sid: Hashable, err: Exception, num_tokens: int, shard: int | None) -> None:
         """A rejected append or admission gets the right error type with consistent numbers."""

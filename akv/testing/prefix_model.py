@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 import torch
@@ -271,3 +271,56 @@ class PrefixModel:
         have = self.cache.get(self.key(seq.shard, seq.namespace, seq.tokens, run + 1))
         assert have is not None, f"{seq_id}: block {run} is full and committed but was not published"
         seq.stopped = True
+
+    # ---------------------------------------------------------------- one step's items
+    def commit(self, commits: dict[Hashable, int], published_of: Callable[[Hashable], int]) -> None:
+        """Apply a step's commits: counts, then the publishes akv reports (``published_of(seq_id)``).
+
+        Every claim of the step is recorded before any stop is judged, since
+        two sequences of one step may race for the same prefix.
+        """
+        filled = []
+        for seq_id, n in commits.items():
+            seq = self.sequences[seq_id]
+            if (seq.committed + n) // self.block_size > seq.committed // self.block_size:
+                filled.append(seq_id)
+            seq.committed += n
+        for seq_id in commits:
+            self.claim(seq_id, published_of(seq_id))
+        for seq_id in filled:
+            self.check_stop(seq_id)
+
+    def fork(self, parent_id: Hashable, child_ids: Sequence[Hashable]) -> None:
+        """Each child shares every block of the parent (same model block ids)."""
+        for child_id in child_ids:
+            self.sequences[child_id] = self.sequences[parent_id].copy()
+
+    def append(self, seq_id: Hashable, tokens: Sequence[int]) -> bool:
+        """Append ``tokens``; return whether the shared partial tail was copied first (copy-on-write)."""
+        seq = self.sequences[seq_id]
+        copied = bool(len(seq.tokens) % self.block_size) and self.holders()[seq.blocks[-1]] > 1
+        if copied:
+            seq.blocks[-1] = self.fresh(1)[0]
+        seq.tokens += tokens
+        seq.blocks += self.fresh(self.num_blocks_needed(len(seq.tokens)) - len(seq.blocks))
+        return copied
+
+    def admit(
+        self, seq_id: Hashable, namespace: Hashable, shard: int, prompt: list[int], hits: int, published: int
+    ) -> None:
+        """Record an admission akv placed on ``shard`` with ``hits`` cached blocks (checked first).
+
+        ``published`` is akv's reported count of its blocks in the cache (a
+        ``prefill_done`` admission publishes its whole prompt at once; pass
+        ``None`` otherwise).
+
+        Raises:
+            AssertionError: The hit is not one the model allows (:meth:`observe_hits`).
+        """
+        hit_blocks = self.observe_hits(shard, namespace, prompt, (len(prompt) - 1) // self.block_size, hits)
+        fresh = self.fresh(self.num_blocks_needed(len(prompt)) - hits)
+        self.sequences[seq_id] = ModelSequence(namespace, shard, prompt, hit_blocks + fresh, hits * self.block_size)
+        if published is not None:
+            self.sequences[seq_id].committed = len(prompt)
+            self.claim(seq_id, published)
+            self.check_stop(seq_id)
