@@ -61,6 +61,16 @@ MUTANTS: dict[str, tuple[str, str, str]] = {
         "n = (len(prompt) - 1) // self.block_size if len(prompt) else 0",
         "n = len(prompt) // self.block_size",
     ),
+    "a full committed tail published with its partial successor": (
+        "akv/core/shard_state.py",
+        "full = min(seq.num_computed // bs, len(seq.block_ids))",
+        "full = min(-(-seq.num_computed // bs), len(seq.block_ids))",
+    ),
+    "later admissions' prefix hits not protected from eviction": (
+        "akv/core/shard_state.py",
+        "protected.add(i, hits)",
+        "pass",
+    ),
     "write scatters K/V to reversed slots": (
         "akv/storage/kv_pool.py",
         "flat[0].index_copy_(0, slots, _raw(key))",

@@ -270,9 +270,9 @@ class ManagerMachine(RuleBasedStateMachine):
             try:
                 result = self._call(self.kv.append, sid, tokens)
             except (PoolExhausted, RequestTooLarge) as err:
-                self._check_rejection(
-                    sid, err, len(seq.tokens) + (1 if isinstance(tokens, int) else len(tokens)), seq.shard
-                )
+                k = 1 if isinstance(tokens, int) else len(tokens)
+                self._check_append_room(sid, k, err)
+                self._check_rejection(sid, err, len(seq.tokens) + k, seq.shard)
                 return
             self._run_step(StepPlan(appends={sid: tokens}), result, data)
         elif kind == "commit":
@@ -349,6 +349,8 @@ class ManagerMachine(RuleBasedStateMachine):
         for sid, tokens in plan.appends.items():
             seq = model.sequences[sid]
             tokens = [tokens] if isinstance(tokens, int) else list(tokens)
+            if not plan.admits:  # no admission's hits are protected: the room is exact
+                self._check_append_room(sid, len(tokens), result.rejected.get(sid))
             if sid in result.rejected:
                 self._check_rejection(sid, result.rejected[sid], len(seq.tokens) + len(tokens), seq.shard)
                 continue
@@ -376,6 +378,26 @@ class ManagerMachine(RuleBasedStateMachine):
         published = info.num_published_blocks if adm.prefill_done else None
         self.model.admit(adm.seq_id, adm.namespace, info.shard, prompt, cached // self.block_size, published)
         event("admission hit" if cached else "admission miss")
+
+    def _check_append_room(self, sid: Hashable, num_tokens: int, err: Exception | None) -> None:
+        """An append is rejected exactly when its new blocks exceed the shard's free plus evictable ones.
+
+        Free plus evictable is the shard's size less the blocks live sequences
+        hold, whatever the eviction loop did meanwhile.
+        """
+        seq = self.model.sequences[sid]
+        size = len(self.kv.config.shard_ranges()[seq.shard])
+        total, need = self.model.append_need(sid, num_tokens)
+        room = size - self.model.held_on(seq.shard)
+        if err is None:
+            assert total <= size and need <= room, f"{sid}: appended needing {need} blocks with room for {room}"
+        elif total > size:
+            assert isinstance(err, RequestTooLarge), f"{sid}: {total} blocks of a {size}-block shard, got {err!r}"
+        else:
+            assert isinstance(err, PoolExhausted) and need > room, f"{sid}: {err!r} with room for {room}"
+            assert (err.requested_blocks, err.free_blocks + err.evictable_blocks) == (need, room), (
+                f"{sid}: {err!r}, the model expected {need} requested and {room} free or evictable"
+            )
 
     def _check_rejection(self, sid: Hashable, err: Exception, num_tokens: int, shard: int | None) -> None:
         """A rejected append or admission gets the right error type with consistent numbers."""

@@ -140,6 +140,17 @@ class PrefixModel:
             counts.update(seq.blocks)
         return counts
 
+    def held_on(self, shard: int) -> int:
+        """Distinct blocks that live sequences on ``shard`` hold (its active blocks)."""
+        return len({b for seq in self.sequences.values() if seq.shard == shard for b in seq.blocks})
+
+    def append_need(self, seq_id: Hashable, num_tokens: int) -> tuple[int, int]:
+        """``(total, new)`` blocks of ``seq_id`` after appending ``num_tokens``: all, and new ones (a copy counts)."""
+        seq = self.sequences[seq_id]
+        total = self.num_blocks_needed(len(seq.tokens) + num_tokens)
+        copy = bool(len(seq.tokens) % self.block_size) and self.holders()[seq.blocks[-1]] > 1
+        return total, total - len(seq.blocks) + copy
+
     def num_blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)
