@@ -40,6 +40,7 @@ import importlib.util
 from collections.abc import Hashable
 from typing import Any
 
+import anyio
 import anyio.from_thread
 import torch
 from hypothesis import HealthCheck, event, note, settings
@@ -60,6 +61,13 @@ from akv.testing.prefix_model import PrefixModel, history_values
 from akv.testing.step_plans import INVALID, WATERMARKS, StepPlan, draw_plan, draw_prompt, draw_tokens
 
 __all__ = ["ManagerMachine", "TestManagerMachine"]
+
+
+async def _free_in_cancelled_scope(kv: KVCacheManager, seq_id: Hashable, *, preempted: bool) -> bool:
+    """``kv.free`` from a task whose scope is already cancelled (a request cancelled mid-flight)."""
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        return await kv.free(seq_id, preempted=preempted)
 
 
 def _backends() -> tuple[str, ...]:
@@ -175,6 +183,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def start(self, num_shards: int, watermarks: tuple[float, float], policy: str, backend: str) -> None:
         """Enter a fresh manager in a blocking portal."""
         note(f"start: {num_shards} shards, watermarks {watermarks}, policy {policy}, {backend}")
+        event(f"{backend}, {num_shards} shards")
         self.num_shards = num_shards
         config = self.make_config(num_shards=num_shards, watermarks=watermarks, eviction_policy=policy)
         self._portal_cm = anyio.from_thread.start_blocking_portal(backend)
@@ -254,7 +263,10 @@ class ManagerMachine(RuleBasedStateMachine):
         assert all(c.done() for c in self._copies), "wait_copies returned with a copy still pending"
         self._copies.clear()
 
-    @rule(data=st.data(), kind=st.sampled_from(["add_sequence", "append", "commit", "fork", "free", "preempt"]))
+    @rule(
+        data=st.data(),
+        kind=st.sampled_from(["add_sequence", "append", "commit", "fork", "free", "free cancelled", "preempt"]),
+    )
     def one_sequence(self, data: st.DataObject, kind: str) -> None:
         """One of the one-sequence helpers (each is a one-item step)."""
         live = self._live()
@@ -285,7 +297,8 @@ class ManagerMachine(RuleBasedStateMachine):
                 self._call(self.kv.fork, sid, [kid])
                 self.model.fork(sid, [kid])
         else:
-            assert self._call(self.kv.free, sid, preempted=kind == "preempt") is True, f"{sid} was live"
+            free = _free_in_cancelled_scope if kind == "free cancelled" else type(self.kv).free
+            assert self._call(free, self.kv, sid, preempted=kind == "preempt") is True, f"{sid} was live"
             assert self._call(self.kv.free, sid) is False, f"a second free of {sid} found it live"
             self.model.sequences.pop(sid)
             if kind == "preempt":
