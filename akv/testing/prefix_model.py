@@ -317,7 +317,7 @@ class PrefixModel:
         return copied
 
     def admit(
-        self, seq_id: Hashable, namespace: Hashable, shard: int, prompt: list[int], hits: int, published: int
+        self, seq_id: Hashable, namespace: Hashable, shard: int, prompt: list[int], hits: int, published: int | None
     ) -> None:
         """Record an admission akv placed on ``shard`` with ``hits`` cached blocks (checked first).
 
