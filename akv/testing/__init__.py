@@ -6,7 +6,9 @@ model (``ShardStateMachine``; ``PendingCopiesMachine`` keeps copy-on-write
 copies pending across steps). :mod:`akv.testing.manager_machine` holds
 ``ManagerMachine``: the whole :class:`~akv.manager.KVCacheManager` with its
 actors and real K/V tensors against the plain model of
-:mod:`akv.testing.prefix_model` (docs/testing.md: running it against your own
+:mod:`akv.testing.prefix_model` (its hooks and invariants in
+:mod:`akv.testing.manager_checks`, its steps drawn by
+:mod:`akv.testing.step_plans`; docs/testing.md: running it against your own
 storage). Hypothesis is a development dependency, so it is imported only when
 a machine is first used::
 

@@ -1,4 +1,4 @@
-"""Scheduler steps for :mod:`akv.testing.manager_machine`: prompts, tokens, whole steps, bad items."""
+"""Scheduler steps for :mod:`akv.testing.manager_machine`: prompts, tokens, whole steps, bad items, rejections."""
 
 from __future__ import annotations
 
@@ -10,10 +10,20 @@ from typing import Any
 from hypothesis import strategies as st
 
 from akv.core.step import Admit
-from akv.errors import DuplicateSequence, InvalidInput, InvalidTokens, UnknownSequence
+from akv.errors import DuplicateSequence, InvalidInput, InvalidTokens, PoolExhausted, RequestTooLarge, UnknownSequence
 from akv.testing.prefix_model import PrefixModel
 
-__all__ = ["INVALID", "PREFIXES", "WATERMARKS", "StepPlan", "draw_plan", "draw_prompt", "draw_tokens"]
+__all__ = [
+    "INVALID",
+    "PREFIXES",
+    "WATERMARKS",
+    "StepPlan",
+    "check_append_room",
+    "check_rejection",
+    "draw_plan",
+    "draw_prompt",
+    "draw_tokens",
+]
 
 #: Prompt prefixes: 0 and 1 share their first two blocks (of 4 tokens), 2 shares nothing.
 PREFIXES: tuple[tuple[int, ...], ...] = (
@@ -126,3 +136,48 @@ def draw_plan(
         prefill_done = data.draw(st.booleans(), label="prefill_done")
         plan.admits.append(Admit(seq_id=new_id(), prompt=prompt(data), namespace=ns, prefill_done=prefill_done))
     return plan
+
+
+def check_append_room(model: PrefixModel, seq_id: Hashable, num_tokens: int, size: int, err: Exception | None) -> None:
+    """An append is rejected exactly when its new blocks exceed its shard's free plus evictable ones.
+
+    For a step without admissions (no prefix hits to protect): free plus
+    evictable is the shard's ``size`` less the blocks live sequences on it
+    hold, whatever the eviction loop did meanwhile. Call before the model
+    applies the append.
+
+    Raises:
+        AssertionError: Rejected with room, accepted without, or the wrong error or numbers.
+    """
+    total, need = model.append_need(seq_id, num_tokens)
+    room = size - model.held_on(model.sequences[seq_id].shard)
+    if err is None:
+        assert total <= size and need <= room, f"{seq_id}: appended needing {need} blocks with room for {room}"
+    elif total > size:
+        assert isinstance(err, RequestTooLarge), f"{seq_id}: {total} blocks of a {size}-block shard, got {err!r}"
+    else:
+        assert isinstance(err, PoolExhausted) and need > room, f"{seq_id}: {err!r} with room for {room}"
+        assert (err.requested_blocks, err.free_blocks + err.evictable_blocks) == (need, room), (
+            f"{seq_id}: {err!r}, the model expected {need} requested and {room} free or evictable"
+        )
+
+
+def check_rejection(seq_id: Hashable, err: Exception, total: int, sizes: list[int], shard: int | None) -> None:
+    """A rejected append or admission of ``total`` blocks has the right error type with consistent numbers.
+
+    Args:
+        seq_id: The rejected sequence.
+        err: Its error from ``StepResult.rejected`` (or raised by a helper).
+        total: Blocks the sequence would hold.
+        sizes: Blocks per shard.
+        shard: Its shard, or None for an admission (placed by akv).
+
+    Raises:
+        AssertionError: Another error type, or numbers that do not justify it.
+    """
+    if isinstance(err, RequestTooLarge):
+        assert total > (sizes[shard] if shard is not None else min(sizes)), f"{seq_id}: {err!r} but {total} fit"
+    else:
+        assert isinstance(err, PoolExhausted), f"{seq_id}: unexpected rejection {err!r}"
+        assert total <= (sizes[shard] if shard is not None else max(sizes)), f"{seq_id}: {err!r} for {total} blocks"
+        assert err.requested_blocks > err.free_blocks + err.evictable_blocks, f"{seq_id}: {err!r} yet it fits"
