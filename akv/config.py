@@ -7,12 +7,15 @@ dtypes are named by string and resolved by :mod:`akv.storage`.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
+from akv.core.block_key import KEY_FUNCTION, KEY_VERSION
 from akv.core.eviction_policy import EVICTION_POLICIES
 from akv.errors import InvalidInput
 
@@ -224,3 +227,39 @@ class KVCacheConfig:
             ranges.append(range(start, start + size))
             start += size
         return ranges
+
+    def fingerprint(self) -> dict:
+        """What decides whether cached K/V and block keys made under this configuration can be reused.
+
+        A snapshot records it and refuses to load under another one. It holds
+        the model (preset name, layers, KV heads, head dim, dtype), the block
+        size, the vocabulary size, and the block key function and version
+        (:mod:`akv.core.block_key`); not the pool's size, sharding, device,
+        watermarks or eviction policy, which a warm restart may change.
+
+        Returns:
+            A JSON-serializable dict of str, int and nested dicts.
+        """
+        m = self.model
+        return {
+            "model": {
+                "name": m.name,
+                "num_layers": m.num_layers,
+                "num_kv_heads": m.num_kv_heads,
+                "head_dim": m.head_dim,
+                "dtype": m.dtype,
+            },
+            "block_size": self.block_size,
+            "vocab_size": self.vocab_size,
+            "key_function": KEY_FUNCTION,
+            "key_version": KEY_VERSION,
+        }
+
+    def fingerprint_hex(self) -> str:
+        """SHA-256 of the canonical JSON of :meth:`fingerprint` (sorted keys, no spaces, ASCII).
+
+        Returns:
+            64 lowercase hex digits, equal for equal fingerprints on any machine.
+        """
+        text = json.dumps(self.fingerprint(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        return hashlib.sha256(text.encode("ascii")).hexdigest()
