@@ -39,18 +39,18 @@ def assert_agrees(samples: dict, stats) -> None:
     counters = {
         "akv_blocks_allocated_total": stats.blocks_allocated,
         "akv_blocks_freed_total": stats.blocks_freed,
-        "akv_evictions_total": stats.blocks_evicted,
+        "akv_blocks_evicted_total": stats.blocks_evicted,
         "akv_eviction_batches_total": stats.eviction_batches,
         "akv_prefix_cache_queries_tokens_total": stats.prompt_tokens,
         "akv_prefix_cache_hits_tokens_total": stats.cached_tokens,
         "akv_prefix_cache_resumed_queries_tokens_total": stats.resumed_prompt_tokens,
         "akv_prefix_cache_resumed_hits_tokens_total": stats.resumed_cached_tokens,
-        "akv_cow_copies_total": stats.cow_copies,
-        "akv_forks_total": stats.forks,
+        "akv_blocks_copied_on_write_total": stats.cow_copies,
+        "akv_sequences_forked_total": stats.forks,
         "akv_sequences_added_total": stats.sequences_added,
         "akv_sequences_freed_total": stats.sequences_freed,
-        "akv_preemptions_total": stats.preemptions,
-        "akv_pool_exhausted_total": stats.pool_exhausted,
+        "akv_sequences_preempted_total": stats.preemptions,
+        "akv_pool_exhausted_refusals_total": stats.pool_exhausted,
     }
     assert {name: value(samples, name) for name in counters} == counters
     for state in ("free", "active", "cached", "in_flight"):
@@ -79,7 +79,7 @@ async def test_counters_equal_stats_after_a_manual_workload(tiny_config) -> None
         assert value(samples, "akv_step_latency_seconds_count") == 7
         assert value(samples, "akv_copy_bytes_count") == 1
         assert value(samples, "akv_copy_bytes_sum") == kv.config.bytes_per_block
-        assert {k[1] for k in samples if k[0] == "akv_actor_inbox_depth"} == {(("actor", "pool_shard_0"),)}
+        assert {k[1] for k in samples if k[0] == "akv_actor_inbox_messages"} == {(("actor", "pool_shard_0"),)}
     # The registry stays readable after exit: final values.
     assert_agrees(scrape(kv.metrics_registry), stats)
 
@@ -113,7 +113,7 @@ async def test_tight_replay_metrics_agree_with_stats_and_report(num_shards: int)
         samples = scrape(kv.metrics_registry)
     assert_agrees(samples, stats)
     assert report.preemptions > 0
-    assert value(samples, "akv_preemptions_total") == report.preemptions
+    assert value(samples, "akv_sequences_preempted_total") == report.preemptions
     assert value(samples, "akv_prefix_cache_queries_tokens_total") == report.prompt_tokens
     assert value(samples, "akv_prefix_cache_hits_tokens_total") == report.cached_tokens
     assert value(samples, "akv_prefix_cache_resumed_queries_tokens_total") == report.readmit_prompt_tokens
@@ -159,9 +159,9 @@ def test_cli_metrics_out_agrees_with_the_json_report(tmp_path: Path, restore_log
         for sample in family.samples:
             samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     assert data["preemptions"] > 0 and data["evictions"] > 0  # not vacuous
-    assert value(samples, "akv_preemptions_total") == data["preemptions"]
-    assert value(samples, "akv_evictions_total") == data["evictions"]
-    assert value(samples, "akv_cow_copies_total") == data["cow_copies"]
+    assert value(samples, "akv_sequences_preempted_total") == data["preemptions"]
+    assert value(samples, "akv_blocks_evicted_total") == data["evictions"]
+    assert value(samples, "akv_blocks_copied_on_write_total") == data["cow_copies"]
     assert value(samples, "akv_prefix_cache_queries_tokens_total") == data["prompt_tokens"]
     assert value(samples, "akv_prefix_cache_hits_tokens_total") == data["cached_tokens"]
     assert value(samples, "akv_prefix_cache_resumed_queries_tokens_total") == data["readmit_prompt_tokens"]
