@@ -60,9 +60,16 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     rp.add_argument("trace", nargs="?", type=Path, help="Mooncake JSONL trace (.jsonl or .jsonl.gz)")
     rp.add_argument("--limit", type=int_range(1), help="replay only the first N requests")
-    rp.add_argument("--block-size", type=int_range(1, MAX_BLOCK_SIZE), default=16, help="tokens per block (default 16)")
+    rp.add_argument(
+        "--block-size",
+        type=int_range(1, MAX_BLOCK_SIZE),
+        default=16,
+        help=f"tokens per block, 1 to {MAX_BLOCK_SIZE:,} (default 16)",
+    )
     size = rp.add_mutually_exclusive_group()
-    size.add_argument("--num-blocks", type=int_range(1, MAX_NUM_BLOCKS), help="blocks in the pool")
+    size.add_argument(
+        "--num-blocks", type=int_range(1, MAX_NUM_BLOCKS), help=f"blocks in the pool, 1 to {MAX_NUM_BLOCKS:,}"
+    )
     size.add_argument(
         "--pool-gib", type=float_range(0.0, None, min_open=True), help="pool size in GiB (blocks = GiB / block bytes)"
     )
@@ -94,7 +101,9 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         default=MAX_REQUEST_TOKENS,
         help=f"a trace record with more input + output tokens is a trace error (default {MAX_REQUEST_TOKENS:,})",
     )
-    rp.add_argument("--shards", type=int_range(1, MAX_SHARDS), default=1, help="pool shards (default 1)")
+    rp.add_argument(
+        "--shards", type=int_range(1, MAX_SHARDS), default=1, help=f"pool shards, 1 to {MAX_SHARDS:,} (default 1)"
+    )
     rp.add_argument(
         "--seed", type=int_range(0, (1 << 64) - 1), default=0, help="seed of the synthesized token ids (default 0)"
     )
