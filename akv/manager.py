@@ -32,7 +32,7 @@ import structlog
 import torch
 
 from akv.actors.eviction_loop import EvictionLoop
-from akv.actors.messages import Check, Evict, Inspect, Lookup, Room, Stats, Step, Validate
+from akv.actors.messages import Check, Evict, Inspect, InspectBlock, Lookup, Room, Stats, Step, Validate
 from akv.actors.pool_shard import PoolShardActor, SequenceInfo, ShardStats
 from akv.actors.runtime import Actor
 from akv.config import KVCacheConfig
@@ -52,7 +52,7 @@ from akv.errors import (
 )
 from akv.obs.metrics import ManagerMetrics, MetricsSnapshot
 from akv.obs.tracing import AkvTracer
-from akv.results import NO_COPIES, CacheStats, CopyCompletion, StepResult
+from akv.results import NO_COPIES, BlockInfo, CacheStats, CopyCompletion, StepResult
 from akv.storage import CopyExecutor, KVStorage
 
 __all__ = ["Admit", "KVCacheManager"]
@@ -935,6 +935,33 @@ class KVCacheManager:
                     break
                 evicted += await self._ask(shard, Evict(want - evicted))
         return evicted
+
+    async def block_info(self, block_id: int) -> BlockInfo:
+        """Snapshot of one block: its state, refcount and, if published, its content key.
+
+        The key is computed on demand (``O(depth)`` hashes, in the owning
+        shard) from the block's chain in the prefix tree: for the block at
+        position ``i`` of a cached prompt it equals
+        ``akv.core.block_key.chain_keys(prompt, block_size, namespace)[i]``,
+        whichever shard and block id hold it.
+
+        Args:
+            block_id: An ``int`` (or numpy integer) in ``[0, num_blocks)``; not a bool.
+
+        Returns:
+            A frozen :class:`~akv.results.BlockInfo`.
+
+        Raises:
+            InvalidInput: ``block_id`` is not an integer in range (checked
+                before any message is sent).
+        """
+        self._check_running()
+        if type(block_id) in NUMPY_INTEGER_TYPES:
+            block_id = int(block_id)
+        if type(block_id) is not int or not 0 <= block_id < self.config.num_blocks:
+            raise InvalidInput(f"block_id must be an int in [0, {self.config.num_blocks}), got {describe(block_id)}")
+        shard = next(i for i, ids in enumerate(self.config.shard_ranges()) if block_id in ids)
+        return await self._ask(self._shards[shard], InspectBlock(block_id))
 
     async def wait_copies(self) -> None:
         """Wait until every copy submitted so far has run, and settle the shards.

@@ -35,6 +35,7 @@ import numpy as np
 
 from akv.core.block_pool import CACHED, BlockPool
 from akv.core.block_table import BlockTables
+from akv.core.eviction_policy import DEFAULT_EVICTION_POLICY
 from akv.core.radix_tree import RadixTree, block_keys
 from akv.core.reservation import admission_reserve, fork_earmarks, reserved_blocks, row_reserved
 from akv.core.sequence import Sequence
@@ -197,7 +198,7 @@ class ShardState:
         block_size: int,
         *,
         enable_prefix_cache: bool = True,
-        eviction_policy: str = "lru",
+        eviction_policy: str = DEFAULT_EVICTION_POLICY,
         null_block_id: int | None = None,
     ) -> None:
         self.shard_index = shard_index
