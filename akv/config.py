@@ -95,7 +95,8 @@ class KVCacheConfig:
     """Everything a :class:`~akv.manager.KVCacheManager` needs to start.
 
     Args:
-        num_blocks: Blocks in the pool (all shards together).
+        num_blocks: Usable blocks in the pool (all shards together); the storage
+            holds one more, the null block (:attr:`null_block_id`).
         block_size: Tokens per block (vLLM default 16).
         model: Attention shape that sizes the tensors.
         storage: ``"tensors"`` allocates one K/V tensor per layer on
@@ -215,9 +216,22 @@ class KVCacheConfig:
         return self.model.bytes_per_block(self.block_size)
 
     @property
+    def null_block_id(self) -> int:
+        """The reserved block id that pads block tables: ``num_blocks``, one past the usable blocks.
+
+        vLLM pads block tables with a null block that is never allocated (its
+        block 0). akv keeps ids ``0 .. num_blocks - 1`` as the usable blocks
+        (their ids stay as they were, shard ranges included) and reserves the
+        id after them: the storage holds ``num_blocks + 1`` blocks per layer,
+        the last one the null block, which is never allocated, cached or
+        evicted; a model runner may write garbage into its slots.
+        """
+        return self.num_blocks
+
+    @property
     def pool_bytes(self) -> int:
-        """Bytes of the whole pool (``num_blocks * bytes_per_block``)."""
-        return self.num_blocks * self.bytes_per_block
+        """Bytes of the K/V tensors: ``(num_blocks + 1) * bytes_per_block``, the null block included."""
+        return (self.num_blocks + 1) * self.bytes_per_block
 
     def shard_ranges(self) -> list[range]:
         """Contiguous block-id range of each shard, sizes differing by at most one."""

@@ -32,7 +32,7 @@ import structlog
 import torch
 
 from akv.actors.eviction_loop import EvictionLoop
-from akv.actors.messages import Check, Inspect, InspectBlock, Lookup, Room, Stats, Step, Validate
+from akv.actors.messages import Check, Evict, Inspect, InspectBlock, Lookup, Room, Stats, Step, Validate
 from akv.actors.pool_shard import PoolShardActor, SequenceInfo, ShardStats
 from akv.actors.runtime import Actor
 from akv.config import KVCacheConfig
@@ -127,6 +127,7 @@ class KVCacheManager:
                     cfg.block_size,
                     enable_prefix_cache=cfg.enable_prefix_cache,
                     eviction_policy=cfg.eviction_policy,
+                    null_block_id=cfg.null_block_id,
                 )
             except MemoryError:
                 self._shards.clear()
@@ -582,7 +583,9 @@ class KVCacheManager:
         tables = context = qsl = slots = None
         if with_meta:
             width = max(o.block_tables.shape[1] for o in with_meta)
-            tables = np.zeros((sum(o.block_tables.shape[0] for o in with_meta), width), dtype=np.int32)
+            tables = np.full(
+                (sum(o.block_tables.shape[0] for o in with_meta), width), self.config.null_block_id, dtype=np.int32
+            )
             row = 0
             for o in with_meta:
                 b, w = o.block_tables.shape
@@ -897,6 +900,42 @@ class KVCacheManager:
             raise UnknownSequence(seq_id)
         return await self._ask(self._shards[self._route[seq_id]], Inspect(seq_id))
 
+    async def evict(self, max_blocks: int) -> int:
+        """Evict up to ``max_blocks`` cached blocks now; return how many were evicted.
+
+        The path the background eviction loop takes (an ``Evict`` message to a
+        shard): only cached leaves of the prefix cache, deepest first, in the
+        eviction policy's order within a shard; never a block a sequence
+        references or a pending copy pins. An admission's prefix hits are
+        protected inside the shard's step, which is atomic, so no message runs
+        between its match and its pin. Each shard's policy clock is its own:
+        with several shards they are asked in index order, each for what is
+        still wanted. Evicted blocks are free at once.
+
+        Args:
+            max_blocks: Most blocks to evict (an ``int >= 0``; 0 evicts nothing).
+
+        Returns:
+            Blocks evicted (``<= max_blocks``; fewer when fewer are evictable).
+
+        Raises:
+            InvalidInput: ``max_blocks`` is not an int ``>= 0`` (a bool is refused).
+            ActorCrashed, ManagerClosed: The manager is not running.
+        """
+        self._check_running()
+        if type(max_blocks) not in (int, *NUMPY_INTEGER_TYPES) or max_blocks < 0:
+            raise InvalidInput(f"max_blocks must be an int >= 0, got {describe(max_blocks)}")
+        want = int(max_blocks)
+        if len(self._shards) == 1:
+            return await self._ask(self._shards[0], Evict(want)) if want else 0
+        evicted = 0
+        async with self._sharded_lock:  # not between a sharded step's validation and its application
+            for shard in self._shards:
+                if evicted >= want:
+                    break
+                evicted += await self._ask(shard, Evict(want - evicted))
+        return evicted
+
     async def block_info(self, block_id: int) -> BlockInfo:
         """Snapshot of one block: its state, refcount and, if published, its content key.
 
@@ -925,11 +964,24 @@ class KVCacheManager:
         return await self._ask(self._shards[shard], InspectBlock(block_id))
 
     async def wait_copies(self) -> None:
-        """Wait until every copy submitted so far has run."""
+        """Wait until every copy submitted so far has run, and settle the shards.
+
+        A shard releases a finished copy's pins when it serves its next
+        message; this call sends one (:class:`Stats`) to each shard that
+        published pins not yet released, so right after it returns
+        :meth:`stats`, the metrics scrape and the gauges show no block in
+        flight for those copies.
+
+        Raises:
+            ActorCrashed, ManagerClosed: The manager is not running.
+        """
         self._check_running()
         for ticket in list(self._tickets):
             await ticket.wait_async()
         self._tickets = [t for t in self._tickets if not t.done()]
+        for shard in self._shards:
+            if shard.pinned_copies:
+                await self._ask(shard, Stats())
 
     async def stats(self) -> CacheStats:
         """Snapshot of block states, counters and actor inbox depths."""
@@ -990,6 +1042,16 @@ class KVCacheManager:
         await self.wait_copies()
         for shard in self._shards:
             await self._ask(shard, Check())
+
+    @property
+    def null_block_id(self) -> int:
+        """The block id that pads every block table: ``config.num_blocks`` (see :attr:`KVCacheConfig.null_block_id`).
+
+        Never allocated, cached or evicted; the storage has one block for it
+        past the usable ones, so a model runner may read it or write garbage
+        into its slots without touching any sequence's K/V.
+        """
+        return self.config.null_block_id
 
     @property
     def usage(self) -> float:

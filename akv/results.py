@@ -71,7 +71,11 @@ class StepResult:
 
     Attributes:
         seq_ids: Scheduled sequence ids, one per row.
-        block_tables: int32 ``(batch, max_blocks)``, padded with 0.
+        block_tables: int32 ``(batch, max_blocks)``; past each row's
+            ``ceil(context_len / block_size)`` blocks, padded with the null
+            block id (``kv.null_block_id == config.num_blocks``: a block the
+            storage holds past the usable ones, never allocated; reading it
+            or writing garbage into it touches no sequence's K/V).
         context_lens: int32 ``(batch,)``: tokens per sequence including this
             step's new ones.
         query_start_loc: int32 ``(batch + 1,)``: row ``i``'s new tokens are

@@ -280,13 +280,8 @@ async def test_served_metrics_parse_and_agree_with_stats(tiny_config) -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    strict=True,
-    reason="akv: a shard settles a finished copy only on its next message, so a scrape right after "
-    "wait_copies() still shows the copy's freed source block in flight (and not counted as freed), "
-    "while the next stats() shows it free",
-)
-async def test_scrape_right_after_wait_copies_shows_no_block_in_flight(tiny_config, monkeypatch) -> None:
+@pytest.mark.parametrize("num_shards", [1, 2])
+async def test_scrape_right_after_wait_copies_shows_no_block_in_flight(tiny_config, monkeypatch, num_shards) -> None:
     real_copy = KVStorage._copy_unchecked
     go = threading.Event()
 
@@ -295,7 +290,7 @@ async def test_scrape_right_after_wait_copies_shows_no_block_in_flight(tiny_conf
         real_copy(self, src, dst)
 
     monkeypatch.setattr(KVStorage, "_copy_unchecked", gated_copy)
-    async with KVCacheManager(tiny_config(num_blocks=16)) as kv:
+    async with KVCacheManager(tiny_config(num_blocks=16, num_shards=num_shards)) as kv:
         await kv.add_sequence("a", list(range(1, 7)))  # 2 blocks, partial tail
         await kv.fork("a", ["b"])
         await kv.append("a", [7])  # a copies the shared tail; b keeps the original (the copy's source)
@@ -303,3 +298,4 @@ async def test_scrape_right_after_wait_copies_shows_no_block_in_flight(tiny_conf
         go.set()
         await kv.wait_copies()
         assert block_gauges(scrape(kv.metrics_registry))["in_flight"] == 0
+        assert kv.blocks_in_use == 2  # a's two blocks; the copy's source is free, not in flight

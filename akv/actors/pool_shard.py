@@ -149,6 +149,9 @@ class PoolShardActor(Actor):
         self.blocks_in_use = 0
         #: Unreserved free plus evictable (cached) blocks after the last message.
         self.blocks_available = state.pool.num_blocks
+        #: Copy batches whose pins were not released yet, after the last message
+        #: (``KVCacheManager.wait_copies`` settles the shards where it is not 0).
+        self.pinned_copies = 0
         self._room_event: anyio.Event | None = None  # made on demand: no waiter, no cost
         self._room_hint = False  # the message being served freed sequences or evicted blocks
         self._thread_id = threading.get_ident()  # the event loop's thread
@@ -341,6 +344,7 @@ class PoolShardActor(Actor):
         self.num_free = free = pool.num_free - self.state.num_reserved
         self.free_fraction = pool.num_free / pool.num_blocks
         self.blocks_in_use = pool.num_active + pool.num_in_flight
+        self.pinned_copies = len(self._pinned)
         available = free + pool.num_cached
         if self._room_event is not None and (self._room_hint or available > self.blocks_available):
             self._wake_room()

@@ -186,6 +186,9 @@ class ShardState:
         block_size: Tokens per block.
         enable_prefix_cache: Publish committed full blocks and match prompts.
         eviction_policy: Eviction policy name, passed to :class:`BlockPool`.
+        null_block_id: The block id that pads block tables (never allocated,
+            owned by no shard: the manager passes ``config.null_block_id``);
+            default ``block_ids.stop``, right for a lone shard of ``range(0, n)``.
     """
 
     def __init__(
@@ -196,12 +199,15 @@ class ShardState:
         *,
         enable_prefix_cache: bool = True,
         eviction_policy: str = DEFAULT_EVICTION_POLICY,
+        null_block_id: int | None = None,
     ) -> None:
         self.shard_index = shard_index
+        #: Padding of block tables (see :mod:`akv.core.block_table`).
+        self.null_block_id = block_ids.stop if null_block_id is None else null_block_id
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
         self.pool = BlockPool(block_ids, policy=eviction_policy)
-        self.tables = BlockTables()
+        self.tables = BlockTables(pad=self.null_block_id)
         self.sequences: dict[Hashable, Sequence] = {}
         #: Sequence id -> its row in :attr:`tables` (for vectorized batch lookups).
         self.rows: dict[Hashable, int] = {}
@@ -1030,6 +1036,22 @@ class ShardState:
                 f"{seqs} live rows have a reservation but num_reserved_seqs is {self.num_reserved_seqs}"
             )
 
+    def _check_null_block(self, tree_block_ids) -> None:
+        """Nothing points at the null block but padding: no shard owns it, no table or tree holds it."""
+        null, tables = self.null_block_id, self.tables
+        if self.pool.owns(null):
+            raise AssertionError(f"the null block {null} is one of the shard's blocks")
+        rows = np.array([seq.row for seq in self.sequences.values()], dtype=np.intp)
+        if len(rows):
+            entries = tables.array[rows]
+            held = np.arange(entries.shape[1]) < tables.lens[rows][:, None]
+            if (entries[held] == null).any():
+                raise AssertionError(f"a block table holds the null block {null}")
+            if (entries[~held] != null).any():
+                raise AssertionError(f"a block table is padded with something else than the null block {null}")
+        if tree_block_ids is not None and null in set(tree_block_ids):
+            raise AssertionError(f"the null block {null} is in the prefix cache")
+
     def check(self, tree_block_ids=None) -> None:
         """Full consistency check (O(blocks + tokens)).
 
@@ -1042,6 +1064,7 @@ class ShardState:
         """
         self.check_counters()
         self.pool.check()
+        self._check_null_block(tree_block_ids)
         bs = self.block_size
         refs: dict[int, int] = {}
         if self.rows != {sid: seq.row for sid, seq in self.sequences.items()}:
