@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import torch
 
@@ -305,7 +306,14 @@ class Client:
         n_write = len(prompt) - cached
         if write_fraction < 1.0:
             n_write = int(n_write * write_fraction)
-        self.write(seq, slots[:n_write], cached, cached + n_write)
+        if commit and n_write > 1 and self.rng.random() < 0.3:  # chunked prefill: commit in two parts
+            half = n_write // 2
+            self.write(seq, slots[:half], cached, cached + half)
+            await self.commit(seq, cached + half)
+            await anyio.lowlevel.checkpoint()  # others may admit the same prompt meanwhile
+            self.write(seq, slots[half:n_write], cached + half, cached + n_write)
+        else:
+            self.write(seq, slots[:n_write], cached, cached + n_write)
         if commit:
             await self.commit(seq, len(prompt))
         return seq

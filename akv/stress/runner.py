@@ -14,7 +14,8 @@
    or cached, nothing in flight, every inbox empty, and a last audit
    (:mod:`akv.stress.audit`: refcounts recounted from the block tables, the
    prefix cache against the harness's record).
-4. Probes the eviction order of every policy (:mod:`akv.stress.probe`).
+4. Probes the eviction order of every policy and the leaves-only rule
+   (:mod:`akv.stress.probe`).
 
 With a fatal fault (:mod:`akv.stress.fault`) every task must get an error
 within ``hang_timeout_s``, ``__aexit__`` must raise ``ActorCrashed``, the
@@ -40,7 +41,7 @@ from akv.stress.fault import FaultInjector
 from akv.stress.kv_io import quiesce
 from akv.stress.metrics import Metrics
 from akv.stress.options import StressOptions
-from akv.stress.probe import EXPECTED_ORDER, probe_eviction_order
+from akv.stress.probe import EXPECTED_ORDER, probe_eviction_order, probe_pending_hits, probe_pinned_child
 from akv.stress.report import FaultInjection, StressReport
 from akv.stress.session import Outcome, ProgressFn, Session
 
@@ -185,6 +186,8 @@ async def run_stress(options: StressOptions, *, progress: ProgressFn | None = No
     elapsed = time.perf_counter() - start
     for policy in EXPECTED_ORDER:
         out.probe_errors.extend(await probe_eviction_order(policy))
+    out.probe_errors.extend(await probe_pinned_child())
+    out.probe_errors.extend(await probe_pending_hits())
     fault = None
     if options.fault_kind is not None:
         fault = await _fault_verdict(options, out, metrics, log)

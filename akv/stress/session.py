@@ -201,7 +201,7 @@ class Session:
         except TimeoutError:
             result = AuditResult()
             result.refcount_mismatches = 1
-            result.note("the manager did not become quiet within 10 s")
+            result.note("the manager did not become quiet within 30 s")
         finally:
             self.gate.open()
         self.outcome.add_audit(result, label)
