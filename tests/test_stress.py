@@ -25,7 +25,7 @@ from akv.stress.cli import options_from_args
 from akv.stress.kv_io import append, fork, oracle_for, prefill, reads_back
 from akv.stress.kv_io import history as kv_history
 from akv.stress.oracle import KVOracle, history_hashes
-from akv.stress.probe import EXPECTED_ORDER, probe_eviction_order
+from akv.stress.probe import EXPECTED_ORDER, probe_eviction_order, probe_pending_hits, probe_pinned_child
 from akv.stress.session import tenant_namespaces
 from akv.stress.workload import PromptSource, system_prompt_lengths
 
@@ -209,6 +209,12 @@ async def test_eviction_probe_holds_each_policy_to_its_definition(policy: str) -
     assert EXPECTED_ORDER[policy] not in others  # the probe tells the three policies apart
     for order in others:
         assert await probe_eviction_order(policy, expected=order) != []
+
+
+@pytest.mark.anyio
+async def test_pending_copy_and_pending_hit_probes_pass() -> None:
+    assert await probe_pinned_child() == []
+    assert await probe_pending_hits() == []
 
 
 @pytest.mark.anyio
