@@ -61,15 +61,15 @@ def test_prompts_cover_block_boundaries_and_are_seeded() -> None:
 # -------------------------------------------------------------- short runs
 # Runs end after a number of programs (requests), not a time; every assertion is on counts.
 def _count_run(**overrides) -> StressOptions:
-    fields = {"seed": 1, "sequences": 48, "operations": 240, "duration_s": 900.0}
+    fields = {"seed": 1, "sequences": 24, "operations": 120, "duration_s": 900.0}
     fields.update(overrides)
     return StressOptions(**fields)
 
 
 @pytest.mark.anyio
 async def test_short_stress_run_is_clean() -> None:
-    report = await run_stress(_count_run(sequences=64, operations=320, audits=3))
-    assert sum(report.programs.values()) == 320 and report.programs_budget == 320
+    report = await run_stress(_count_run(sequences=48, operations=240, audits=3))
+    assert sum(report.programs.values()) == 240 and report.programs_budget == 240
     assert report.corrupted_reads == 0, report.samples
     assert report.invariant_violations == 0, report.errors
     assert report.leaked_blocks == 0 and report.leaked_sequences == 0
@@ -88,9 +88,9 @@ async def test_short_stress_run_is_clean() -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize(("shards", "policy"), [(2, "lru"), (3, "lfu"), (4, "random")])
+@pytest.mark.parametrize(("shards", "policy"), [(2, "lru"), (4, "lfu")])
 async def test_sharded_runs_with_each_policy_are_clean(shards: int, policy: str) -> None:
-    report = await run_stress(_count_run(seed=shards, shards=shards, eviction_policy=policy, operations=160))
+    report = await run_stress(_count_run(seed=shards, shards=shards, eviction_policy=policy))
     assert report.shards == shards and report.eviction_policy in ("lru", "lfu", "slru")
     assert report.audits == 4 and report.audit_violations == 0, report.errors
     assert report.evictions > 0 and report.forks > 0
@@ -103,9 +103,9 @@ async def test_sharded_runs_with_each_policy_are_clean(shards: int, policy: str)
 )
 async def test_short_stress_run_on_other_event_loops(anyio_backend) -> None:
     pytest.importorskip("uvloop" if anyio_backend != "trio" else "trio")
-    report = await run_stress(_count_run(seed=2, sequences=24, operations=80))
+    report = await run_stress(_count_run(seed=2, sequences=16, operations=48))
     assert report.backend == ("trio" if anyio_backend == "trio" else "uvloop")
-    assert report.forks > 0 and sum(report.programs.values()) == 80
+    assert report.forks > 0 and sum(report.programs.values()) == 48
     assert report.ok, (report.failures, report.errors, report.samples)
 
 
@@ -121,11 +121,11 @@ async def test_short_stress_run_on_other_event_loops(anyio_backend) -> None:
 )
 async def test_fatal_fault_fails_every_caller_fast_and_still_reports_leaks(fault: str, shards: int, actor: str) -> None:
     report = await run_stress(
-        _count_run(seed=3, sequences=32, operations=400, shards=shards, fault=fault, fault_after_programs=40)
+        _count_run(seed=3, sequences=16, operations=400, shards=shards, fault=fault, fault_after_programs=24)
     )
     fi = report.fault_injection
     assert fi is not None and fi.kind == fault and fi.fatal and fi.injected and fi.actor == actor
-    assert fi.tasks == 32 and fi.tasks_failed_fast == 32 and fi.tasks_hung == 0
+    assert fi.tasks == 16 and fi.tasks_failed_fast == 16 and fi.tasks_hung == 0
     assert fi.aexit_raised and fi.fresh_manager_ok
     # Recounted from the state the failed manager left behind: figures, never null.
     assert report.leaked_blocks == 0 and report.leaked_sequences == 0
@@ -136,7 +136,7 @@ async def test_fatal_fault_fails_every_caller_fast_and_still_reports_leaks(fault
 
 @pytest.mark.anyio
 async def test_slow_copies_leave_a_clean_run() -> None:
-    report = await run_stress(_count_run(seed=4, operations=160, fault="slow_copies", fault_after_programs=1))
+    report = await run_stress(_count_run(seed=4, fault="slow_copies", fault_after_programs=1))
     fi = report.fault_injection
     assert fi is not None and fi.kind == "slow_copies" and not fi.fatal and fi.injected
     assert report.cow_copies > 0 and report.audits == 4 and report.audit_violations == 0
@@ -186,7 +186,7 @@ async def test_audit_recounts_refcounts_and_checks_the_prefix_cache() -> None:
         clean = await audit(kv, ["a", "b", "c", "gone"], record)
         assert (clean.violations, clean.live_sequences, clean.cached_prefixes) == (0, 3, 2), clean.errors
         missing = await audit(kv, ["a", "c"], record)  # "b" holds references the audit is not told of
-        assert missing.unknown_sequences == 1 and missing.refcount_mismatches == 4, missing.errors
+        assert missing.unknown_sequences == 1 and missing.refcount_mismatches == 3, missing.errors  # 0, 1, 2
         short = PublishRecord(4)
         short.add(None, [1, 2, 3, 4], 0, 1)  # the second block was never committed, as far as it knows
         assert (await audit(kv, ["a", "b", "c"], short)).prefix_cache_mismatch == 1
@@ -198,7 +198,7 @@ def test_publish_record_allows_only_committed_prefixes_of_the_same_namespace() -
     assert record.allows("x", [1, 2, 3, 4, 9], 4) and record.allows("x", [1, 2, 7], 2)
     assert not record.allows(None, [1, 2, 3], 2)  # another tenant
     assert not record.allows("x", [1, 2, 3, 5], 4)
-    assert tenant_namespaces(5) == (None, "tenant-1", ("lora", 2), 3, b"t4")
+    assert tenant_namespaces(5) == (None, ("lora", 1), 2, b"t3", "tenant-4")
 
 
 @pytest.mark.anyio
@@ -264,7 +264,9 @@ def test_out_of_range_options_exit_2(argv: list[str], capsys) -> None:
     assert "error: argument" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["--fault", "shard_exception"], ["--fault", "crash", "--inject-crash-after-s", "1"]])
+@pytest.mark.parametrize(
+    "argv", [["--fault", "shard_exception"], ["--fault", "slow_copies", "--inject-crash-after-s", "1"]]
+)
 def test_inconsistent_options_exit_2(argv: list[str], capsys) -> None:
     parser = argparse.ArgumentParser(prog="akv")
     register(parser.add_subparsers(dest="command", required=True))
@@ -275,13 +277,13 @@ def test_inconsistent_options_exit_2(argv: list[str], capsys) -> None:
 def test_run_stress_script_writes_report_and_json_log(tmp_path: Path) -> None:
     report_path, log_path = tmp_path / "report.json", tmp_path / "log.jsonl"
     cmd = [
-        sys.executable, str(ROOT / "stress" / "run_stress.py"), "--operations", "40", "--duration-s", "600",
-        "--sequences", "16", "--json", str(report_path), "--log-json", str(log_path), "--no-progress",
+        sys.executable, str(ROOT / "stress" / "run_stress.py"), "--operations", "16", "--duration-s", "600",
+        "--sequences", "8", "--json", str(report_path), "--log-json", str(log_path), "--no-progress",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(report_path.read_text())
-    assert set(report) >= REPORT_KEYS and report["ok"] is True and sum(report["programs"].values()) == 40
+    assert set(report) >= REPORT_KEYS and report["ok"] is True and sum(report["programs"].values()) == 16
     events = [json.loads(line)["event"] for line in log_path.read_text().splitlines()]
     assert "stress.started" in events and "stress.finished" in events and "manager.started" in events
 

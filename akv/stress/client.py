@@ -310,6 +310,7 @@ class Client:
             half = n_write // 2
             self.write(seq, slots[:half], cached, cached + half)
             await self.commit(seq, cached + half)
+            await self.lookup(seq.tokens, namespace=seq.namespace)  # no hit beyond what was committed
             await anyio.lowlevel.checkpoint()  # others may admit the same prompt meanwhile
             self.write(seq, slots[half:n_write], cached + half, cached + n_write)
         else:
@@ -374,9 +375,14 @@ class Client:
         if set(result.freed) != set(ids):
             self.unexpected("multi_free_missed", seq_ids=ids, freed=result.freed)
 
-    async def lookup(self, prompt: list[int]) -> None:
-        """A pure lookup (what a cache-aware router asks); checks its bounds and the record."""
-        ns = self.rng.choice(self.namespaces)
+    async def lookup(self, prompt: list[int], *, namespace: Hashable = ...) -> None:
+        """A pure lookup (what a cache-aware router asks); checks its bounds and the record.
+
+        Args:
+            prompt: Token ids.
+            namespace: The tenant to look up in (default: one at random).
+        """
+        ns = self.rng.choice(self.namespaces) if namespace is ... else namespace
         hit = await self.call("lookup", self.kv.lookup, prompt, namespace=ns)
         if hit % self.block_size or hit > (len(prompt) - 1) // self.block_size * self.block_size:
             self.unexpected("lookup_bounds", hit=hit, prompt_len=len(prompt))

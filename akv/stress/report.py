@@ -119,7 +119,7 @@ class StressReport:
         if self.audit_violations:
             out.append(f"{self.audit_violations} audit disagreements (refcounts, sequences or prefix cache)")
         if self.probe_errors:
-            out.append(f"eviction order probe: {'; '.join(self.probe_errors)}")
+            out.append(f"probes: {'; '.join(self.probe_errors)}")
         if self.leaked_blocks is None or self.leaked_sequences is None:
             out.append("neither the final check nor the post-mortem recount ran")
         else:
