@@ -29,49 +29,11 @@ from akv.core.step import Admit
 from akv.errors import PoolExhausted
 from akv.manager import KVCacheManager
 from akv.stress.audit import PublishRecord
+from akv.stress.gate import Gate
 from akv.stress.metrics import Metrics
 from akv.stress.oracle import KVOracle, extend_hashes
 
 _call_tokens = itertools.count()
-
-
-class Gate:
-    """Every manager call passes it; the harness closes it to audit a quiescent point.
-
-    ``await enter()`` before a call (waits while closed), ``leave()`` after;
-    :meth:`drain` closes the gate and returns once no call is in flight.
-    """
-
-    def __init__(self) -> None:
-        self._open = anyio.Event()
-        self._open.set()
-        self._idle = anyio.Event()
-        self._idle.set()
-        self._busy = 0
-
-    async def enter(self) -> None:
-        """Wait while closed, then count one call in flight."""
-        while not self._open.is_set():
-            await self._open.wait()
-        if self._busy == 0:
-            self._idle = anyio.Event()
-        self._busy += 1
-
-    def leave(self) -> None:
-        """One call is done."""
-        self._busy -= 1
-        if self._busy == 0:
-            self._idle.set()
-
-    async def drain(self) -> None:
-        """Close the gate and wait until no call is in flight."""
-        if self._open.is_set():
-            self._open = anyio.Event()
-        await self._idle.wait()
-
-    def open(self) -> None:
-        """Let the held calls go."""
-        self._open.set()
 
 
 class GiveUp(Exception):

@@ -28,8 +28,9 @@ from akv.errors import ActorCrashed, AkvError, ManagerClosed
 from akv.manager import KVCacheManager
 from akv.results import CacheStats
 from akv.stress.audit import AuditResult, PublishRecord, audit
-from akv.stress.client import Client, Gate, GiveUp
+from akv.stress.client import Client, GiveUp
 from akv.stress.fault import FaultInjector
+from akv.stress.gate import Gate
 from akv.stress.metrics import Metrics
 from akv.stress.options import StressOptions
 from akv.stress.oracle import KVOracle
