@@ -362,7 +362,8 @@ class Client:
         try:
             for seq_id in list(self.owned):
                 self.freed_when_cancelled.add(seq_id)
-                await self.kv.free(seq_id)
+                if await self.kv.free(seq_id):
+                    self.metrics.frees_when_cancelled += 1
         finally:
             self.gate.leave()
 

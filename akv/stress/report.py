@@ -91,6 +91,7 @@ class StressReport:
     retries: int
     gave_up: int
     cancellations: int
+    frees_when_cancelled: int
     aborts: int
     verifications: int
     verified_tokens: int
@@ -172,7 +173,10 @@ def print_summary(report: StressReport, console: Console | None = None) -> None:
             f"{report.evictions:,} ({report.eviction_batches:,}, {report.eviction_loop_batches:,})",
         ),
         ("pool exhausted / retries / gave up", f"{report.pool_exhausted:,} / {report.retries:,} / {report.gave_up:,}"),
-        ("cancellations / aborts", f"{report.cancellations:,} / {report.aborts:,}"),
+        (
+            "cancellations (frees from cancelled scopes) / aborts",
+            f"{report.cancellations:,} ({report.frees_when_cancelled:,}) / {report.aborts:,}",
+        ),
         ("verifications (tokens)", f"{report.verifications:,} ({report.verified_tokens:,})"),
         ("prefix hit rate", f"{report.prefix_hit_rate:.1%}"),
         ("append p50 / p99", _p(lat.get("append"))),

@@ -291,6 +291,7 @@ def _build_report(
         retries=metrics.retries,
         gave_up=metrics.gave_up,
         cancellations=metrics.cancellations,
+        frees_when_cancelled=metrics.frees_when_cancelled,
         aborts=metrics.aborts,
         verifications=metrics.verifications,
         verified_tokens=metrics.verified_tokens,
