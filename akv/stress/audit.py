@@ -23,10 +23,9 @@ from collections import Counter
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
-import anyio
-
 from akv.errors import UnknownSequence
 from akv.manager import KVCacheManager
+from akv.stress.kv_io import quiesce
 
 #: Token appended to a recorded prefix for a lookup (the last token is never served from the cache).
 _PROBE_TOKEN = 0
@@ -119,34 +118,6 @@ def compare_refcounts(result: AuditResult, tables: Iterable[Iterable[int]], refc
             result.note(f"block {b}: refcount {refcounts.get(b, 0)} but {recount.get(b, 0)} block-table references")
 
 
-async def quiet_shards(kv: KVCacheManager, timeout_s: float) -> None:
-    """Wait until the eviction loop has nothing to do in any shard (no call may be in flight).
-
-    The loop works only for a shard below its low watermark that still has
-    cached blocks, so quiet means every shard is at or above it or has none,
-    no inbox holds a message, and block states stay put for 20 ms. Reads the
-    shards' published gauges (no message); :func:`akv.stress.kv_io.quiesce`
-    judges the pool as a whole, which a full shard beside a cached one fools.
-
-    Raises:
-        TimeoutError: Not quiet within ``timeout_s``.
-    """
-
-    def busy() -> bool:
-        return any(s.num_free < s.low_free_blocks and s.blocks_available > s.num_free for s in kv._shards)
-
-    with anyio.fail_after(timeout_s):
-        while True:
-            await kv.wait_copies()
-            s = await kv.stats()
-            if not busy() and not any(kv.inbox_depths.values()):
-                await anyio.sleep(0.02)
-                s2 = await kv.stats()
-                if (s2.free, s2.cached, s2.eviction_loop_batches) == (s.free, s.cached, s.eviction_loop_batches):
-                    return
-            await anyio.sleep(0.001)
-
-
 async def audit(kv: KVCacheManager, seq_ids: Iterable[Hashable], record: PublishRecord) -> AuditResult:
     """Recount refcounts and compare the prefix cache with ``record``; call at a quiescent point.
 
@@ -164,7 +135,7 @@ async def audit(kv: KVCacheManager, seq_ids: Iterable[Hashable], record: Publish
         TimeoutError: The eviction loop did not become quiet within 30 s.
     """
     result = AuditResult()
-    await quiet_shards(kv, timeout_s=30.0)  # lookups and tree size must see the same cache
+    await quiesce(kv, timeout_s=30.0)  # lookups and tree size must see the same cache
     tables = []
     for seq_id in seq_ids:
         try:

@@ -130,23 +130,26 @@ async def block_states(kv: KVCacheManager) -> tuple[int, int, int, int, int]:
 
 
 async def quiesce(kv: KVCacheManager, timeout_s: float = 5.0) -> None:
-    """Wait until pending copies ran and the eviction loop has nothing left to do.
+    """Wait until pending copies ran and the eviction loop has nothing left to do (no call in flight).
 
-    ``kv.check()`` compares a prefix-tree snapshot with the shards in two
-    messages, so it needs a point where no background eviction runs between
-    them. Quiet means: no message waiting in any inbox, the pool at or above
-    the low watermark (or nothing left to evict), and no change in block
-    states or eviction batches over 20 ms.
+    Quiet means: no message waiting in any inbox, every shard at or above
+    its low watermark or without cached blocks (only then does the eviction
+    loop rest; the pool as a whole is not enough, a full shard may sit beside
+    a cached one), and no change in block states or eviction batches over
+    20 ms. Reads the shards' published gauges (no message).
 
     Raises:
         TimeoutError: Not quiet within ``timeout_s``.
     """
-    low = sum(kv.config.watermark_blocks(len(r))[0] for r in kv.config.shard_ranges())
+
+    def evicting() -> bool:
+        return any(s.num_free < s.low_free_blocks and s.blocks_available > s.num_free for s in kv._shards)
+
     with anyio.fail_after(timeout_s):
         while True:
             await kv.wait_copies()
             s = await kv.stats()
-            if (s.cached == 0 or s.free >= low) and not any(kv.inbox_depths.values()):
+            if not evicting() and not any(kv.inbox_depths.values()):
                 await anyio.sleep(0.02)
                 s2 = await kv.stats()
                 if (s2.free, s2.cached, s2.eviction_loop_batches) == (s.free, s.cached, s.eviction_loop_batches):

@@ -71,8 +71,7 @@ def current_backend() -> str:
 async def _final_check(kv: KVCacheManager, out: Outcome, session: Session) -> None:
     await kv.wait_copies()
     try:
-        # kv.check() is only sound while no eviction batch runs between its tree
-        # snapshot and its shard check (a known race, see tests/test_stress.py).
+        # The leak figures and the audit need block states that no eviction batch changes meanwhile.
         await quiesce(kv, timeout_s=10.0)
     except TimeoutError:
         out.errors.append("the manager did not become quiet within 10 s after the tasks ended")
