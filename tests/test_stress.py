@@ -22,7 +22,7 @@ from akv.manager import KVCacheManager
 from akv.stress import StressOptions, main_stress, register, run_stress
 from akv.stress.audit import AuditResult, PublishRecord, audit, compare_refcounts
 from akv.stress.cli import options_from_args
-from akv.stress.kv_io import append, fork, oracle_for, prefill, reads_back
+from akv.stress.kv_io import append, fork, oracle_for, prefill, quiesce, reads_back
 from akv.stress.kv_io import history as kv_history
 from akv.stress.oracle import KVOracle, history_hashes
 from akv.stress.probe import EXPECTED_ORDER, probe_eviction_order, probe_pending_hits, probe_pinned_child
@@ -166,6 +166,23 @@ async def test_long_run_512_sequences(fault: str | None) -> None:
 
 
 # ------------------------------------------------------------------ audits
+@pytest.mark.anyio
+async def test_quiesce_returns_with_a_full_shard_beside_a_cached_one() -> None:
+    """Regression: quiesce judged the pool as a whole, so a full shard (nothing to evict) beside a
+    shard with cached blocks above its low watermark kept it waiting forever (audits timed out)."""
+    cfg = _config(num_blocks=16, num_shards=2, low_watermark=0.25, high_watermark=0.5)
+    async with KVCacheManager(cfg) as kv:
+        await prefill(kv, "full", list(range(1, 33)))  # shard 0: every block active
+        await prefill(kv, "cached", list(range(100, 117)))
+        await kv.free("cached")  # shard 1: 4 cached blocks
+        await prefill(kv, "held", list(range(200, 208)))  # shard 1: 2 free, its low watermark
+        assert [(await kv.sequence(s)).shard for s in ("full", "held")] == [0, 1]
+        stats = await kv.stats()
+        assert (stats.free, stats.cached) == (2, 4)  # below the pool's low watermark (4) with cached blocks
+        await quiesce(kv, timeout_s=30.0)  # the limit is only a hang guard
+        assert (await kv.stats()).cached == 4  # quiet: nothing was evicted
+
+
 def test_compare_refcounts_names_every_block_that_disagrees() -> None:
     result = AuditResult()
     compare_refcounts(result, [(0, 1), (0, 2)], {0: 2, 1: 1, 2: 1})
