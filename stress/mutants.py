@@ -255,6 +255,7 @@ def try_mutant(mutant: Mutant | None, args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run every chosen mutant; write the JSON; exit 1 if the unpatched copy fails (a false alarm)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="*", help="mutant names (default: all)")
     parser.add_argument("--operations", type=int, default=400, help="programs per harness run (default 400)")

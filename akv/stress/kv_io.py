@@ -42,6 +42,7 @@ def history(kv: KVCacheManager, seq_id: Hashable) -> list[int]:
 
 
 def oracle_for(kv: KVCacheManager) -> KVOracle:
+    """The K/V oracle of ``kv``'s model shape."""
     shape = kv.config.model
     return KVOracle(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim)
 
