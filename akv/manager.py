@@ -1043,6 +1043,24 @@ class KVCacheManager:
         for shard in self._shards:
             await self._ask(shard, Check())
 
+    def block_refcounts(self) -> dict[int, int]:
+        """Block id -> refcount of every block that some block table holds (read-only audit view).
+
+        Reads the shards' pools without a message, so take it at a quiescent
+        point (no call in flight); it also reads the state a crashed manager
+        left behind. The stress harness recounts it from the block tables.
+
+        Returns:
+            ``{block_id: refcount}`` for every block with refcount >= 1. O(num_blocks).
+        """
+        out: dict[int, int] = {}
+        for shard in self._shards:
+            pool = shard.state.pool
+            for b in range(pool.first_block_id, pool.first_block_id + pool.num_blocks):
+                if r := pool.refcount(b):
+                    out[b] = r
+        return out
+
     @property
     def null_block_id(self) -> int:
         """The block id that pads every block table: ``config.num_blocks`` (see :attr:`KVCacheConfig.null_block_id`).
