@@ -23,7 +23,7 @@ from anyio import wait_all_tasks_blocked
 from akv.errors import ActorCrashed, ManagerClosed
 from akv.manager import KVCacheManager
 from akv.storage import CopyExecutor, CopyTicket, KVStorage
-from akv.stress.fault import CrashInjector
+from akv.stress.fault import FaultInjector
 
 pytestmark = pytest.mark.anyio
 
@@ -189,8 +189,7 @@ async def test_manager_crash_fails_pending_copy_waits_and_none_hangs(tiny_config
                     tg.start_soon(wait_all)
                     await wait_all_tasks_blocked()
                     assert borrowed_worker_threads() == 0
-                    injector = CrashInjector(kv, after_s=0)
-                    await injector.run()
+                    FaultInjector(kv, "crash").arm()
                     with pytest.raises(ActorCrashed):
                         await kv.stats()  # the shard crashes; the manager closes its executor
                     gate.set()  # the running copy completes, then the queued one fails
