@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from akv.core.radix_tree import RadixTree
-from akv.core.shard_state import ShardState, drive
+from akv.core.shard_state import ShardState
 from akv.core.step import Admit, StepOutcome, StepRequest
 from akv.errors import PoolExhausted
 from akv.testing import PendingCopiesMachine, ShardStateMachine, TestPendingCopiesMachine, TestShardStateMachine
@@ -20,18 +19,17 @@ def tokens(*ids: int) -> np.ndarray:
 
 
 class Shard:
-    """A ShardState driven synchronously against a local tree; copies stay pending until released."""
+    """A ShardState and its tree; copies stay pending until released."""
 
     def __init__(self, num_blocks: int) -> None:
         self.state = ShardState(0, range(num_blocks), BS)
-        self.tree = RadixTree()
+        self.tree = self.state.tree
 
     def step(self, **kw) -> StepOutcome:
-        return drive(self.state.step(StepRequest(**kw)), self.tree)
+        return self.state.step(StepRequest(**kw))
 
     def check(self) -> None:
-        self.tree.check()
-        self.state.check(self.tree.block_ids())
+        self.state.check()
 
 
 def test_machines_are_exported_with_their_settings() -> None:

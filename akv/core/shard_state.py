@@ -1,26 +1,9 @@
-"""The synchronous heart of a pool shard: sequences, block tables, pool, publishing.
+"""The synchronous heart of a pool shard: sequences, block tables, pool, prefix tree.
 
-Written sans-IO: :meth:`ShardState.step` and :meth:`ShardState.evict` are
-generators that *yield* lists of prefix-tree operations and receive their
-results, because the radix tree is owned by another actor. The pool shard
-actor drives them by asking the prefix-tree actor; tests drive them against a
-local :class:`~akv.core.radix_tree.RadixTree` with :func:`drive`. The logic is
-the same object either way, and no asyncio or torch is imported here.
-
-Tree operations (tuples):
-
-- ``("match", namespace, keys[, below])`` -> ``list[int]`` matched block ids
-  (below block ``below`` instead of the root when given).
-- ``("insert", namespace, parent_block_id | None, keys, block_ids)`` -> ``int``
-  leading blocks now published.
-- ``("insert_blocks", [(namespace, parent_block_id | None, key, block_id), ...])``
-  -> one ``int`` per item (each an ``insert`` of one block), *spliced* into
-  the results list, so results stay one per publishing entry.
-- ``("remove", block_ids)`` -> ``(removed, refused)``.
-- ``("lookup", namespace, keys)`` -> ``int`` (no side effects).
-- ``("ancestors", block_ids)`` -> ``list[int]`` the distinct blocks above
-  any of ``block_ids`` in the tree (no side effects).
-- ``("size",)`` -> ``int`` blocks in the tree.
+:class:`ShardState` owns one shard's :class:`~akv.core.radix_tree.RadixTree`
+and calls it directly: the pool shard actor runs one method per message, and
+tests run the same methods without any actor. No asyncio or torch is
+imported here.
 
 Every public mutation validates its whole input before changing anything, so
 an error leaves the shard exactly as it was.
@@ -28,7 +11,7 @@ an error leaves the shard exactly as it was.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,33 +24,7 @@ from akv.core.sequence import Sequence
 from akv.core.step import StepOutcome, StepRequest, empty_metadata
 from akv.errors import DuplicateSequence, InvalidInput, PoolExhausted, RequestTooLarge, UnknownSequence
 
-TreeOps = list
-TreeGen = Generator[TreeOps, list, object]
 _NO_KEYS: tuple[bytes, ...] = ()  # Sequence.prompt_keys once every prompt block is published
-
-
-def apply_tree_ops(tree: RadixTree, ops: TreeOps) -> list:
-    """Run tree operations in order against ``tree`` and return their results."""
-    out = []
-    for op in ops:
-        kind = op[0]
-        if kind == "match":
-            out.append(tree.match(*op[1:]))
-        elif kind == "insert":
-            out.append(tree.insert(op[1], op[2], op[3], op[4]))
-        elif kind == "insert_blocks":
-            out.extend(tree.insert_blocks(op[1]))
-        elif kind == "remove":
-            out.append(tree.remove_leaves(op[1]))
-        elif kind == "lookup":
-            out.append(tree.lookup(op[1], op[2]))
-        elif kind == "ancestors":
-            out.append(list({a: None for b in op[1] for a in tree.path(b)[:-1]}))
-        elif kind == "size":
-            out.append(len(tree))
-        else:
-            raise ValueError(f"unknown tree operation {kind!r}")
-    return out
 
 
 def _protect(protected: dict[int, int], block_ids: list[int]) -> None:
@@ -122,14 +79,33 @@ class PendingHits:
         return self._counts
 
 
-def drive(gen: TreeGen, tree: RadixTree):
-    """Run a sans-IO shard generator synchronously against a local tree; return its value."""
-    try:
-        ops = next(gen)
-        while True:
-            ops = gen.send(apply_tree_ops(tree, ops))
-    except StopIteration as stop:
-        return stop.value
+class PendingPublish:
+    """Committed full blocks queued for the prefix tree, inserted together by ``ShardState._publish``.
+
+    Attributes:
+        entries: ``(sequence, first block index, block ids)`` per queued
+            insert, in queue order: the multi-block inserts, then the
+            one-block ones.
+        inserts: ``(namespace key, parent block id | None, keys, block ids)``
+            arguments of :meth:`~akv.core.radix_tree.RadixTree.insert`, one
+            per multi-block entry.
+        singles: ``(namespace key, parent block id | None, key, block id)``
+            items of one :meth:`~akv.core.radix_tree.RadixTree.insert_blocks`
+            call, one per one-block entry.
+    """
+
+    __slots__ = ("entries", "inserts", "singles")
+
+    def __init__(self) -> None:
+        self.entries: list = []
+        self.inserts: list = []
+        self.singles: list = []
+
+    def clear(self) -> None:
+        """Forget the queued inserts (they were applied)."""
+        self.entries.clear()
+        self.inserts.clear()
+        self.singles.clear()
 
 
 @dataclass(kw_only=True, slots=True)
@@ -185,6 +161,8 @@ class ShardState:
         block_size: Tokens per block.
         enable_prefix_cache: Publish committed full blocks and match prompts.
         eviction_policy: Eviction policy name, passed to :class:`BlockPool`.
+        tree: The prefix tree of this shard's blocks (default: a new, empty
+            :class:`RadixTree`); the shard owns it from now on.
     """
 
     def __init__(
@@ -195,8 +173,11 @@ class ShardState:
         *,
         enable_prefix_cache: bool = True,
         eviction_policy: str = "lru",
+        tree: RadixTree | None = None,
     ) -> None:
         self.shard_index = shard_index
+        #: The prefix cache index of this shard's published blocks.
+        self.tree = RadixTree() if tree is None else tree
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
         self.pool = BlockPool(block_ids, policy=eviction_policy)
@@ -243,13 +224,22 @@ class ShardState:
         """Fraction of blocks not free (0.0-1.0)."""
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
-    def lookup_op(self, namespace: Hashable, prompt: np.ndarray) -> tuple:
-        """Tree op that counts how many blocks of ``prompt`` would hit (pure)."""
+    def lookup(self, namespace: Hashable, prompt: np.ndarray) -> int:
+        """Blocks of ``prompt`` an admission in ``namespace`` would hit now (changes nothing).
+
+        Args:
+            namespace: Prefix-cache namespace of the prompt.
+            prompt: Token ids, int32 ``(num_tokens,)``.
+
+        Returns:
+            Leading blocks of the prompt in the prefix cache (the last token
+            is never served from the cache, so at most ``(len - 1) // block_size``).
+        """
         n = (len(prompt) - 1) // self.block_size if len(prompt) else 0
-        return ("lookup", self.namespace_key(namespace), block_keys(prompt, self.block_size, n))
+        return self.tree.lookup(self.namespace_key(namespace), block_keys(prompt, self.block_size, n))
 
     # ---------------------------------------------------------------- the step
-    def step(self, req: StepRequest) -> TreeGen:
+    def step(self, req: StepRequest) -> StepOutcome:
         """Apply one scheduler step (see :class:`~akv.core.step.StepRequest` for the order).
 
         Appends and admissions are each all-or-nothing: one that cannot get its
@@ -273,9 +263,9 @@ class ShardState:
         bs, seqs, pool, tables = self.block_size, self.sequences, self.pool, self.tables
         out = StepOutcome()
         # Made before anything is applied: frees only add room, commits take none.
-        earmarks = (yield from self.fork_room(req.forks)) if req.forks and self.num_reserved_seqs else []
+        earmarks = (self.fork_room(req.forks)) if req.forks and self.num_reserved_seqs else []
         if earmarks:
-            out.evicted_blocks += yield from self._room_for_earmarks(len(earmarks))
+            out.evicted_blocks += self._room_for_earmarks(len(earmarks))
 
         if req.frees:
             self._free(req, out)
@@ -284,10 +274,9 @@ class ShardState:
                     self._fill_metadata(out, None, [])
                 return out
 
-        ops: TreeOps = []
-        publishing: list = []
+        publishing = PendingPublish()
         if req.commits:
-            self._commit(req.commits, checked, ops, publishing)
+            self._commit(req.commits, checked, publishing)
 
         for parent_id, child_ids in req.forks:
             parent = seqs[parent_id]
@@ -310,17 +299,12 @@ class ShardState:
             else []
         )
         matches: dict[int, list[int]] = {}
-        match_slots: list[int] = []
+        if publishing.entries:
+            self._publish(publishing)
         if self.enable_prefix_cache:
             for i, adm in enumerate(req.admits):
                 n = (len(adm.prompt) - 1) // bs
-                ops.append(("match", self.namespace_key(adm.namespace), bs_keys[i][:n]))
-                match_slots.append(i)
-        if ops:
-            results = yield ops
-            self._apply_published(publishing, results)
-            for i, res in zip(match_slots, results[len(publishing) :]):
-                matches[i] = res
+                matches[i] = self.tree.match(self.namespace_key(adm.namespace), bs_keys[i][:n])
         # Prefix hits of admissions not processed yet must not be evicted to make
         # room for anything else in this step.
         protected = PendingHits()
@@ -335,7 +319,7 @@ class ShardState:
             # path below) and take the vectorized path after all.
             short = self._decode_shortfall
             if short <= self._evictable(protected.blocks()):
-                out.evicted_blocks += yield from self._evict(short, protected.blocks())
+                out.evicted_blocks += self._evict(short, protected.blocks())
                 decoded = self._decode(req.appends, out, req.commits, checked.commit_rows)
         sched_ids: list = []
         sched: list[tuple[int, int, int]] = []
@@ -352,7 +336,7 @@ class ShardState:
                 need = total - len(blocks) + tail
                 own = row_reserved(tables, row, bs) if self.num_reserved_seqs else 0
                 if need > pool.num_free - self.num_reserved + own or total > pool.num_blocks:
-                    err = yield from self._make_room(need, total, protected, out, own)
+                    err = self._make_room(need, total, protected, out, own)
                     if err is not None:
                         out.rejected[seq_id] = err
                         continue
@@ -373,9 +357,8 @@ class ShardState:
                 sched.append((row, start, k))
 
         if req.admits and not any(adm.prefill_done for adm in req.admits):
-            out.evicted_blocks += yield from self._evict_for_admissions(req.admits, matches, protected)
-        pending: list = []
-        pending_ops: TreeOps = []
+            out.evicted_blocks += self._evict_for_admissions(req.admits, matches, protected)
+        pending = PendingPublish()
         published_here = False  # a prefill_done admission of this step has published blocks
         for i, adm in enumerate(req.admits):
             prompt = adm.prompt
@@ -386,18 +369,15 @@ class ShardState:
             if published_here and len(hits) < max_hit_blocks:
                 # Earlier admissions of this step (prefill_done) publish first; their new
                 # blocks may extend this match (they are referenced, so need no protection).
-                results = yield [
-                    *pending_ops,
-                    ("match", ns, bs_keys[i][len(hits) : max_hit_blocks], hits[-1] if hits else None),
-                ]
-                self._apply_published(pending, results)
-                pending, pending_ops = [], []
-                if results[-1]:
-                    hits = hits + results[-1]
+                if pending.entries:
+                    self._publish(pending)
+                more = self.tree.match(ns, bs_keys[i][len(hits) : max_hit_blocks], hits[-1] if hits else None)
+                if more:
+                    hits = hits + more
             total = -(-length // bs)
             need = total - len(hits)
             reserve = admission_reserve(length, adm.max_new_tokens, bs)
-            err = yield from self._make_room(need + reserve, total + reserve, protected, out)
+            err = self._make_room(need + reserve, total + reserve, protected, out)
             protected.discard(i)
             if err is not None:
                 out.rejected[adm.seq_id] = err
@@ -436,11 +416,10 @@ class ShardState:
             sched.append((row, cached, length - cached))
             if adm.prefill_done:
                 tables.num_computed[row] = length
-                self._queue_publish(seq, pending_ops, pending)
-                published_here = published_here or bool(pending_ops)
-        if pending_ops:
-            results = yield pending_ops
-            self._apply_published(pending, results)
+                self._queue_publish(seq, pending)
+                published_here = published_here or bool(pending.entries)
+        if pending.entries:
+            self._publish(pending)
 
         if decoded is not None:
             out.seq_ids = decoded[0] + sched_ids
@@ -450,13 +429,13 @@ class ShardState:
             self._fill_metadata(out, decoded, sched)
         return out
 
-    def evict(self, max_blocks: int) -> TreeGen:
+    def evict(self, max_blocks: int) -> int:
         """Evict up to ``max_blocks`` cached blocks, in the eviction policy's order (leaves only).
 
         Returns:
             Blocks evicted (removed from the prefix cache, now free).
         """
-        n = yield from self._evict(max_blocks, frozenset())
+        n = self._evict(max_blocks, frozenset())
         return n
 
     def release_copy_pins(self, block_ids: list[int]) -> None:
@@ -559,7 +538,7 @@ class ShardState:
                     f"{tokens - computed} ({computed} of {tokens} tokens computed)"
                 )
 
-    def _commit(self, commits, checked: Checked, ops: TreeOps, publishing: list) -> None:
+    def _commit(self, commits, checked: Checked, publishing: PendingPublish) -> None:
         """Add committed token counts (vectorized); queue the publishing of newly full blocks."""
         ids = list(commits)
         rows, add = checked.commit_rows, checked.commit_counts
@@ -581,12 +560,12 @@ class ShardState:
                 single.append((seq, full - 1))
                 single_rows.append(int(rows[i]))
             else:
-                self._queue_publish(seq, ops, publishing)
+                self._queue_publish(seq, publishing)
         if single:
-            self._queue_publish_single(single, single_rows, ops, publishing)
+            self._queue_publish_single(single, single_rows, publishing)
 
-    def _queue_publish_single(self, single: list, rows: list[int], ops: TreeOps, publishing: list) -> None:
-        """Queue the publishing of each sequence's one newly full block: one tree op, keys cut from one gather."""
+    def _queue_publish_single(self, single: list, rows: list[int], publishing: PendingPublish) -> None:
+        """Queue the publishing of each sequence's one newly full block: one tree call, keys cut from one gather."""
         tables = self.tables
         cols = np.fromiter((c for _, c in single), dtype=np.intp, count=len(single))
         r = np.array(rows, dtype=np.intp)
@@ -595,11 +574,10 @@ class ShardState:
         raw = self.block_tokens[blocks.astype(np.intp) - self.pool.first_block_id].tobytes()
         width = 4 * self.block_size
         shard = self.shard_index
-        items = []
+        items, entries = publishing.singles, publishing.entries
         for j, ((seq, col), block) in enumerate(zip(single, blocks.tolist())):
             items.append(((shard, seq.namespace), parents[j] if col else None, raw[j * width : (j + 1) * width], block))
-            publishing.append((seq, col, [block]))
-        ops.append(("insert_blocks", items))
+            entries.append((seq, col, [block]))
 
     def _decode(
         self, appends, out: StepOutcome, commits=None, commit_rows: np.ndarray | None = None
@@ -748,7 +726,8 @@ class ShardState:
         self.table_refs -= len(ids)
         self.counters.sequences_freed += len(freed_rows)
 
-    def _queue_publish(self, seq: Sequence, ops: TreeOps, publishing: list) -> None:
+    def _queue_publish(self, seq: Sequence, publishing: PendingPublish) -> None:
+        """Queue the publishing of ``seq``'s committed full blocks not published yet (one tree insert)."""
         if not self.enable_prefix_cache or seq.publish_stopped:
             return
         bs = self.block_size
@@ -764,12 +743,17 @@ class ShardState:
             tokens = self.block_tokens[view.astype(np.intp) - self.pool.first_block_id].reshape(-1)
             keys = block_keys(tokens, bs, full - start)
         ids = view.tolist()
-        ops.append(("insert", self.namespace_key(seq.namespace), parent, keys, ids))
-        publishing.append((seq, start, ids))
+        publishing.inserts.append((self.namespace_key(seq.namespace), parent, keys, ids))
+        publishing.entries.append((seq, start, ids))
 
-    def _apply_published(self, publishing: list, results: list) -> None:
+    def _publish(self, publishing: PendingPublish) -> None:
+        """Insert the queued blocks into the tree, in queue order; record how far each sequence got; clear the queue."""
+        tree = self.tree
+        results = [tree.insert(ns, parent, keys, ids) for ns, parent, keys, ids in publishing.inserts]
+        if publishing.singles:
+            results.extend(tree.insert_blocks(publishing.singles))
         marked: list[int] = []
-        for (seq, start, ids), done in zip(publishing, results):
+        for (seq, start, ids), done in zip(publishing.entries, results):
             if done:
                 marked.extend(ids[:done])
             seq.num_published = start + done
@@ -779,6 +763,7 @@ class ShardState:
                 # Every prompt block is published (or never will be): drop the keys
                 # now, while they are hot, rather than one object per block at free.
                 seq.prompt_keys = _NO_KEYS
+        publishing.clear()
         if marked:
             self.pool.mark_published(marked)
 
@@ -787,7 +772,9 @@ class ShardState:
         pool = self.pool
         return pool.num_cached - sum(1 for b in protected if pool.state(b) == CACHED)
 
-    def _make_room(self, need: int, total: int, protected: PendingHits, out: StepOutcome, own: int = 0) -> TreeGen:
+    def _make_room(
+        self, need: int, total: int, protected: PendingHits, out: StepOutcome, own: int = 0
+    ) -> PoolExhausted | RequestTooLarge | None:
         """Ensure ``need`` free blocks for one sequence, evicting if needed; return an error instead if impossible.
 
         ``total`` is the blocks the sequence will hold in all: more than the
@@ -805,15 +792,15 @@ class ShardState:
         if need > pool.num_free - held + evictable:
             self.counters.pool_exhausted += 1
             return PoolExhausted(need, pool.num_free - held, evictable)
-        out.evicted_blocks += yield from self._evict(need - pool.num_free + held, protected.blocks())
+        out.evicted_blocks += self._evict(need - pool.num_free + held, protected.blocks())
         if need > pool.num_free - held:
             # Cached blocks above a published block that a pending copy still
             # pins cannot be evicted (only leaves can) until the copy has run.
             self.counters.pool_exhausted += 1
-            return PoolExhausted(need, pool.num_free - held, (yield from self.evictable_now()))
+            return PoolExhausted(need, pool.num_free - held, (self.evictable_now()))
         return None
 
-    def fork_room(self, forks) -> TreeGen:
+    def fork_room(self, forks) -> list[int]:
         """Check that the copy-on-write blocks ``forks`` must earmark fit now; return their rows.
 
         Exact, so that a step validated on every shard (``Validate`` asks
@@ -835,13 +822,13 @@ class ShardState:
         earmarks = fork_earmarks(self.tables, [self.sequences[p].row for p, _ in forks], self.block_size)
         free = self.pool.num_free - self.num_reserved
         if len(earmarks) > free:
-            evictable = yield from self.evictable_now()
+            evictable = self.evictable_now()
             if len(earmarks) > free + evictable:
                 self.counters.pool_exhausted += 1
                 raise PoolExhausted(len(earmarks), free, evictable)
         return earmarks
 
-    def evictable_now(self) -> TreeGen:
+    def evictable_now(self) -> int:
         """Cached blocks an eviction pass could take now (reads the tree; changes nothing).
 
         All cached blocks but those above a published block that only a
@@ -857,14 +844,15 @@ class ShardState:
         pinned = pool.pinned_published()
         if not pinned:
             return pool.num_cached
-        (above,) = yield [("ancestors", pinned)]
+        tree = self.tree
+        above = {a: None for b in pinned for a in tree.path(b)[:-1]}
         return pool.num_cached - sum(1 for b in above if pool.state(b) == CACHED)
 
-    def _room_for_earmarks(self, num_blocks: int) -> TreeGen:
+    def _room_for_earmarks(self, num_blocks: int) -> int:
         """Evict until ``num_blocks`` unreserved free blocks exist (:meth:`fork_room` found them); return the blocks evicted."""
         pool = self.pool
         short = num_blocks - (pool.num_free - self.num_reserved)
-        evicted = (yield from self._evict(short, frozenset())) if short > 0 else 0
+        evicted = (self._evict(short, frozenset())) if short > 0 else 0
         if num_blocks > pool.num_free - self.num_reserved:
             raise AssertionError(
                 f"shard {self.shard_index}: fork earmarks of {num_blocks} blocks checked to fit, "
@@ -872,7 +860,7 @@ class ShardState:
             )
         return evicted
 
-    def room(self, seq_id: Hashable, num_tokens: int) -> TreeGen:
+    def room(self, seq_id: Hashable, num_tokens: int) -> tuple[int, int, int]:
         """Blocks ``seq_id`` needs to append ``num_tokens`` tokens, and the room there is for them (changes nothing).
 
         Args:
@@ -898,10 +886,10 @@ class ShardState:
             raise RequestTooLarge(total, pool.num_blocks)
         tail = start % bs != 0 and pool.refcount(seq.block_ids.last()) > 1
         own = row_reserved(self.tables, row, bs) if self.num_reserved_seqs else 0
-        evictable = yield from self.evictable_now()
+        evictable = self.evictable_now()
         return total - len(seq.block_ids) + tail, pool.num_free - self.num_reserved + own, evictable
 
-    def _evict_for_admissions(self, admits: list, matches: dict[int, list[int]], protected: PendingHits) -> TreeGen:
+    def _evict_for_admissions(self, admits: list, matches: dict[int, list[int]], protected: PendingHits) -> int:
         """Evict the whole step's admission shortfall in one pass; return the blocks evicted.
 
         The admissions would otherwise each evict their own shortfall (one
@@ -923,10 +911,10 @@ class ShardState:
         short = need - (pool.num_free - self.num_reserved)
         if short <= 0 or short > self._evictable(protected.blocks()):
             return 0
-        evicted = yield from self._evict(short, protected.blocks())
+        evicted = self._evict(short, protected.blocks())
         return evicted
 
-    def _evict(self, num_blocks: int, protected) -> TreeGen:
+    def _evict(self, num_blocks: int, protected) -> int:
         """Evict cached leaves in policy order; blocks the tree refuses go to the evict-last end.
 
         A cached block can stand above a block that is not evictable yet (a
@@ -941,7 +929,7 @@ class ShardState:
             if not victims:
                 break
             untried -= len(victims)
-            ((removed, refused),) = yield [("remove", victims)]
+            removed, refused = self.tree.remove_leaves(victims)
             self.pool.evict_finish(removed)
             evicted += len(removed)
             if refused:
@@ -1029,18 +1017,17 @@ class ShardState:
                 f"{seqs} live rows have a reservation but num_reserved_seqs is {self.num_reserved_seqs}"
             )
 
-    def check(self, tree_block_ids=None) -> None:
-        """Full consistency check (O(blocks + tokens)).
+    def check(self) -> None:
+        """Full consistency check of the shard and its tree (O(blocks + tokens)).
 
-        Args:
-            tree_block_ids: Every block id in the prefix tree (all shards), to
-                check that exactly the published blocks of this shard are in it.
+        Exactly the blocks marked published are in the prefix tree.
 
         Raises:
             AssertionError: Naming the first inconsistency found.
         """
         self.check_counters()
         self.pool.check()
+        self.tree.check()
         bs = self.block_size
         refs: dict[int, int] = {}
         if self.rows != {sid: seq.row for sid, seq in self.sequences.items()}:
@@ -1056,11 +1043,12 @@ class ShardState:
         for b, r in refs.items():
             if self.pool.refcount(b) != r:
                 raise AssertionError(f"block {b}: refcount {self.pool.refcount(b)} but {r} block-table references")
-        if tree_block_ids is not None:
-            mine = [b for b in tree_block_ids if self.pool.owns(b)]
-            for b in mine:
-                if not self.pool.is_published(b):
-                    raise AssertionError(f"block {b}: in the prefix cache but not marked published")
-            published = self.pool.num_published
-            if published != len(mine):
-                raise AssertionError(f"{published} blocks marked published but {len(mine)} in the prefix cache")
+        in_tree = self.tree.block_ids()
+        for b in in_tree:
+            if not self.pool.owns(b):
+                raise AssertionError(f"block {b}: in the prefix cache of shard {self.shard_index} but not its own")
+            if not self.pool.is_published(b):
+                raise AssertionError(f"block {b}: in the prefix cache but not marked published")
+        published = self.pool.num_published
+        if published != len(in_tree):
+            raise AssertionError(f"{published} blocks marked published but {len(in_tree)} in the prefix cache")

@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant
 
 from akv.core.block_pool import ACTIVE, CACHED, FREE
 from akv.core.radix_tree import RadixTree, block_keys
-from akv.core.shard_state import ShardCounters, ShardState, drive
+from akv.core.shard_state import ShardCounters, ShardState
 from akv.core.step import StepOutcome, StepRequest
 from akv.errors import PoolExhausted, RequestTooLarge
 
@@ -75,7 +75,6 @@ class ShardMachineBase(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.shard = self.make_shard()
-        self.tree = self.make_tree()
         self.model: dict[Hashable, ModelSequence] = {}
         self.published: dict[tuple[Hashable, tuple[int, ...]], int] = {}
         self.dead: list[Hashable] = ["never-added"]
@@ -86,12 +85,18 @@ class ShardMachineBase(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ factories
     def make_shard(self) -> ShardState:
-        """The shard under test."""
-        return ShardState(0, range(self.first_block_id, self.first_block_id + self.num_blocks), self.block_size)
+        """The shard under test, owning the tree of :meth:`make_tree`."""
+        blocks = range(self.first_block_id, self.first_block_id + self.num_blocks)
+        return ShardState(0, blocks, self.block_size, tree=self.make_tree())
 
     def make_tree(self) -> RadixTree:
-        """The prefix tree the shard's generators are driven against."""
+        """The prefix tree the shard under test owns."""
         return RadixTree()
+
+    @property
+    def tree(self) -> RadixTree:
+        """The prefix tree of the shard under test."""
+        return self.shard.tree
 
     # -------------------------------------------------------------- helpers
     def _fresh_blocks(self, n: int) -> list[int]:
@@ -104,7 +109,7 @@ class ShardMachineBase(RuleBasedStateMachine):
         return f"s{self._next_id}"
 
     def _step(self, **kw: Any) -> StepOutcome:
-        out = drive(self.shard.step(StepRequest(**kw)), self.tree)
+        out = self.shard.step(StepRequest(**kw))
         if out.copies:
             pins = [b for pair in out.copies for b in pair]
             if self.hold_copies:
@@ -226,8 +231,7 @@ class ShardMachineBase(RuleBasedStateMachine):
 
     @invariant()
     def shard_and_tree_are_consistent(self) -> None:
-        self.tree.check()
-        self.shard.check(self.tree.block_ids())
+        self.shard.check()
 
     @invariant()
     def sequences_match_the_model(self) -> None:
