@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from akv.core.publish import PendingPublish
+from akv.core.radix_tree import block_keys
 from akv.core.reservation import admission_reserve
+from akv.core.sequence import Sequence
+from akv.core.step import StepOutcome
 
 
 def _protect(protected: dict[int, int], block_ids: list[int]) -> None:
@@ -62,8 +66,10 @@ class ShardAdmission:
 
     __slots__ = ()
 
-    def _evict_for_admissions(self, admits: list, matches: dict[int, list[int]], protected: PendingHits) -> int:
-        """Evict the whole step's admission shortfall in one pass; return the blocks evicted.
+    def _evict_for_admissions(
+        self, admits: list, matches: dict[int, list[int]], protected: PendingHits, out: StepOutcome
+    ) -> None:
+        """Evict the whole step's admission shortfall in one pass (recorded in ``out``).
 
         The admissions would otherwise each evict their own shortfall (one
         eviction pass, with its tree message, per admission). The victims are
@@ -82,7 +88,110 @@ class ShardAdmission:
             if total + reserve <= pool.num_blocks:
                 need += total + reserve - min(len(matches.get(i, ())), (length - 1) // bs)
         short = need - (pool.num_free - self.num_reserved)
-        if short <= 0 or short > self._evictable(protected.blocks()):
-            return 0
-        evicted = self._evict(short, protected.blocks())
-        return evicted
+        if 0 < short <= self._evictable(protected.blocks()):
+            self._evict(short, protected.blocks(), out)
+
+    def _match_admissions(self, admits) -> tuple[list[list[bytes]], dict[int, list[int]]]:
+        """Match phase: the block keys of every admission's full prompt blocks and its prefix hits now.
+
+        Returns:
+            ``(keys, matches)``: per admission, the keys of its full blocks
+            (``[]`` without a prefix cache), and admission index -> hit block
+            ids (the last prompt token is never served from the cache).
+        """
+        if not self.enable_prefix_cache:
+            return [], {}
+        bs, tree = self.block_size, self.tree
+        keys = [block_keys(adm.prompt, bs, len(adm.prompt) // bs) for adm in admits]
+        matches = {
+            i: tree.match(self.namespace_key(adm.namespace), keys[i][: (len(adm.prompt) - 1) // bs])
+            for i, adm in enumerate(admits)
+        }
+        return keys, matches
+
+    def _admit(self, admits, keys: list, matches: dict, protected: PendingHits, out: StepOutcome, sched_ids, sched):
+        """Admit phase: each admission in order takes its hits and new blocks, or is rejected and leaves no trace.
+
+        A ``prefill_done`` admission publishes its full blocks before the next
+        admission matches again, so later prompts of the step hit them.
+        Admitted rows go to ``sched_ids`` and ``sched``, rejections to
+        ``out.rejected``.
+        """
+        bs = self.block_size
+        if not any(adm.prefill_done for adm in admits):
+            self._evict_for_admissions(admits, matches, protected, out)
+        pending = PendingPublish()
+        published_here = False  # a prefill_done admission of this step has published blocks
+        for i, adm in enumerate(admits):
+            length = len(adm.prompt)
+            hits = matches.get(i, [])
+            if published_here and len(hits) < (length - 1) // bs:
+                hits = self._match_more(adm, keys[i], hits, pending, out)
+            total = -(-length // bs)
+            need = total - len(hits)
+            reserve = admission_reserve(length, adm.max_new_tokens, bs)
+            err = self._make_room(need + reserve, total + reserve, protected, out)
+            protected.discard(i)
+            if err is not None:
+                out.rejected[adm.seq_id] = err
+                continue
+            seq = self._add_sequence(adm, keys[i] if self.enable_prefix_cache else None, hits, need, reserve)
+            cached = seq.num_cached_tokens
+            out.cached_tokens[adm.seq_id] = cached
+            sched_ids.append(adm.seq_id)
+            sched.append((seq.row, cached, length - cached))
+            if adm.prefill_done:
+                self.tables.num_computed[seq.row] = length
+                self._queue_publish(seq, pending)
+                published_here = published_here or bool(pending.entries)
+        if pending.entries:
+            self._publish(pending, out)
+
+    def _match_more(self, adm, keys: list[bytes], hits: list[int], pending: PendingPublish, out: StepOutcome):
+        """Publish the step's queued blocks, then extend ``hits`` below its last block; the longer hit list.
+
+        Earlier admissions of this step (``prefill_done``) publish first; their
+        new blocks may extend this match (they are referenced, so they need no
+        protection).
+        """
+        if pending.entries:
+            self._publish(pending, out)
+        max_hit_blocks = (len(adm.prompt) - 1) // self.block_size
+        ns = self.namespace_key(adm.namespace)
+        more = self.tree.match(ns, keys[len(hits) : max_hit_blocks], hits[-1] if hits else None)
+        return hits + more if more else hits
+
+    def _add_sequence(self, adm, prompt_keys, hits: list[int], need: int, reserve: int) -> Sequence:
+        """Create the admitted sequence: reference ``hits``, allocate ``need`` blocks, earmark ``reserve``, count it."""
+        pool, tables, counters = self.pool, self.tables, self.counters
+        length = len(adm.prompt)
+        seq = Sequence(adm.seq_id, adm.namespace, length, tables.new_row())
+        row = seq.row
+        if prompt_keys is not None:
+            seq.prompt_keys = prompt_keys
+        pool.incref(hits, hit=True, distinct=True)
+        seq.block_ids.extend(hits)
+        seq.block_ids.extend(pool.allocate(need))
+        self.table_refs += len(hits) + need
+        counters.blocks_allocated += need
+        cached = len(hits) * self.block_size
+        self._write_tokens(row, cached, adm.prompt[cached:])
+        tables.num_tokens[row] = length
+        tables.num_computed[row] = cached
+        if adm.max_new_tokens is not None:
+            tables.max_tokens[row] = length + adm.max_new_tokens
+            self.num_reserved += reserve
+            self.num_reserved_seqs += 1
+        seq.num_published = len(hits)
+        seq.num_cached_tokens = cached
+        self.sequences[adm.seq_id] = seq
+        self.rows[adm.seq_id] = row
+        counters.sequences_added += 1
+        if adm.resumed:
+            counters.sequences_resumed += 1
+            counters.resumed_prompt_tokens += length
+            counters.resumed_cached_tokens += cached
+        else:
+            counters.prompt_tokens += length
+            counters.cached_tokens += cached
+        return seq

@@ -12,6 +12,7 @@ from collections.abc import Hashable
 
 import numpy as np
 
+from akv.core.reservation import row_reserved
 from akv.core.step import StepOutcome, empty_metadata
 
 
@@ -19,6 +20,63 @@ class ShardAppends:
     """Appends and metadata; a mixin of :class:`~akv.core.shard_state.ShardState` (uses its attributes)."""
 
     __slots__ = ()
+
+    def _append(self, req, checked, protected, out: StepOutcome, sched_ids: list, sched: list) -> tuple | None:
+        """Append phase: the vectorized decode path when it applies, else :meth:`_append_general`.
+
+        A batch of one-token appends whose new blocks do not fit in the free
+        blocks evicts the shortfall in one pass (instead of per sequence on
+        the general path) and takes the vectorized path after all.
+
+        Returns:
+            What :meth:`_decode` returns for the batch, or None when the
+            general path appended (its rows are added to ``sched_ids`` and
+            ``sched``; rejected appends to ``out.rejected``).
+        """
+        decoded = None
+        if checked.single_appends:
+            decoded = self._decode(req.appends, out, req.commits, checked.commit_rows)
+            if decoded is None and self._decode_shortfall <= self._evictable(protected.blocks()):
+                self._evict(self._decode_shortfall, protected.blocks(), out)
+                decoded = self._decode(req.appends, out, req.commits, checked.commit_rows)
+        if decoded is None:
+            self._append_general(req.appends, protected, out, sched_ids, sched)
+        return decoded
+
+    def _append_general(self, appends, protected, out: StepOutcome, sched_ids: list, sched: list) -> None:
+        """Append each sequence's tokens in order, evicting or rejecting per sequence (all-or-nothing each)."""
+        bs, seqs, pool, tables = self.block_size, self.sequences, self.pool, self.tables
+        for seq_id, tokens in appends.items():
+            seq = seqs[seq_id]
+            blocks = seq.block_ids
+            row = blocks.row
+            start = int(tables.num_tokens[row])
+            single = type(tokens) is int
+            k = 1 if single else len(tokens)
+            tail = start % bs != 0 and pool.refcount(blocks.last()) > 1
+            total = (start + k + bs - 1) // bs
+            need = total - len(blocks) + tail
+            own = row_reserved(tables, row, bs) if self.num_reserved_seqs else 0
+            if need > pool.num_free - self.num_reserved + own or total > pool.num_blocks:
+                err = self._make_room(need, total, protected, out, own)
+                if err is not None:
+                    out.rejected[seq_id] = err
+                    continue
+            if tail:
+                self._copy_on_write(seq_id, row, out)
+                need -= 1
+            if need:
+                blocks.extend(pool.allocate(need))
+                self.table_refs += need
+                self.counters.blocks_allocated += need
+            tables.shared_tail[row] = False
+            if own:
+                tables.cow_reserved[row] = False
+                self.num_reserved += row_reserved(tables, row, bs) - own
+            self._write_tokens(row, start, np.array([tokens], dtype=np.int32) if single else tokens)
+            tables.num_tokens[row] = start + k
+            sched_ids.append(seq_id)
+            sched.append((row, start, k))
 
     def _decode(
         self, appends, out: StepOutcome, commits=None, commit_rows: np.ndarray | None = None

@@ -12,6 +12,7 @@ import numpy as np
 from akv.core.checks import Checked
 from akv.core.radix_tree import block_keys
 from akv.core.sequence import Sequence
+from akv.core.step import StepOutcome
 
 _NO_KEYS: tuple[bytes, ...] = ()  # Sequence.prompt_keys once every prompt block is published
 
@@ -111,9 +112,14 @@ class ShardPublishing:
         publishing.inserts.append((self.namespace_key(seq.namespace), parent, keys, ids))
         publishing.entries.append((seq, start, ids))
 
-    def _publish(self, publishing: PendingPublish) -> None:
-        """Insert the queued blocks into the tree, in queue order; record how far each sequence got; clear the queue."""
+    def _publish(self, publishing: PendingPublish, out: StepOutcome) -> None:
+        """Insert the queued blocks into the tree, in queue order; record how far each sequence got; clear the queue.
+
+        The blocks new in the tree are appended to ``out.stored_block_ids``
+        (a queued block may be in the tree already: a fork's parent published it).
+        """
         tree = self.tree
+        size = len(tree)
         results = [tree.insert(ns, parent, keys, ids) for ns, parent, keys, ids in publishing.inserts]
         if publishing.singles:
             results.extend(tree.insert_blocks(publishing.singles))
@@ -130,4 +136,8 @@ class ShardPublishing:
                 seq.prompt_keys = _NO_KEYS
         publishing.clear()
         if marked:
+            if len(tree) - size < len(marked):  # some were in the tree already, or queued twice
+                is_published = self.pool.is_published
+                marked = [b for b in dict.fromkeys(marked) if not is_published(b)]
+            out.stored_block_ids.extend(marked)
             self.pool.mark_published(marked)

@@ -47,7 +47,7 @@ class ShardRoom:
         if need > pool.num_free - held + evictable:
             self.counters.pool_exhausted += 1
             return PoolExhausted(need, pool.num_free - held, evictable)
-        out.evicted_blocks += self._evict(need - pool.num_free + held, protected.blocks())
+        self._evict(need - pool.num_free + held, protected.blocks(), out)
         if need > pool.num_free - held:
             # Cached blocks above a published block that a pending copy still
             # pins cannot be evicted (only leaves can) until the copy has run.
@@ -103,17 +103,16 @@ class ShardRoom:
         above = {a: None for b in pinned for a in tree.path(b)[:-1]}
         return pool.num_cached - sum(1 for b in above if pool.state(b) == CACHED)
 
-    def _room_for_earmarks(self, num_blocks: int) -> int:
-        """Evict until ``num_blocks`` unreserved free blocks exist (:meth:`fork_room` found them); return the blocks evicted."""
+    def _room_for_earmarks(self, num_blocks: int, out: StepOutcome) -> None:
+        """Evict until ``num_blocks`` unreserved free blocks exist (:meth:`fork_room` found them); record it in ``out``."""
         pool = self.pool
         short = num_blocks - (pool.num_free - self.num_reserved)
-        evicted = (self._evict(short, frozenset())) if short > 0 else 0
+        evicted = self._evict(short, frozenset(), out) if short > 0 else 0
         if num_blocks > pool.num_free - self.num_reserved:
             raise AssertionError(
                 f"shard {self.shard_index}: fork earmarks of {num_blocks} blocks checked to fit, "
                 f"but {pool.num_free - self.num_reserved} unreserved free after evicting {evicted}"
             )
-        return evicted
 
     def room(self, seq_id: Hashable, num_tokens: int) -> tuple[int, int, int]:
         """Blocks ``seq_id`` needs to append ``num_tokens`` tokens, and the room there is for them (changes nothing).
@@ -144,13 +143,23 @@ class ShardRoom:
         evictable = self.evictable_now()
         return total - len(seq.block_ids) + tail, pool.num_free - self.num_reserved + own, evictable
 
-    def _evict(self, num_blocks: int, protected) -> int:
+    def _evict(self, num_blocks: int, protected, out: StepOutcome | None = None) -> int:
         """Evict cached leaves in policy order; blocks the tree refuses go to the evict-last end.
 
         A cached block can stand above a block that is not evictable yet (a
         published block that a pending copy still pins); the tree refuses such
         a non-leaf, and it waits at the evict-last end. The loop ends when
         every cached block was refused once since the last removal.
+
+        Args:
+            num_blocks: Blocks to evict at most.
+            protected: Block ids to skip (a container: ``in`` and iteration).
+            out: The step's outcome: its ``evicted_blocks`` and
+                ``removed_block_ids`` (the blocks removed from the prefix
+                tree, in removal order) record the eviction.
+
+        Returns:
+            The number of blocks evicted (now free).
         """
         evicted = 0
         untried = self.pool.num_cached
@@ -162,6 +171,8 @@ class ShardRoom:
             removed, refused = self.tree.remove_leaves(victims)
             self.pool.evict_finish(removed)
             evicted += len(removed)
+            if out is not None:
+                out.removed_block_ids.extend(removed)
             if refused:
                 self.pool.evict_abort(refused, to_mru=True)
                 self.counters.eviction_refusals += len(refused)
@@ -170,4 +181,6 @@ class ShardRoom:
         if evicted:
             self.counters.blocks_evicted += evicted
             self.counters.eviction_batches += 1
+            if out is not None:
+                out.evicted_blocks += evicted
         return evicted

@@ -23,7 +23,7 @@ from akv.core.checks import ShardChecks
 from akv.core.decode import ShardAppends
 from akv.core.publish import PendingPublish, ShardPublishing
 from akv.core.radix_tree import RadixTree, block_keys
-from akv.core.reservation import admission_reserve, reserved_blocks, row_reserved
+from akv.core.reservation import reserved_blocks
 from akv.core.room import ShardRoom
 from akv.core.sequence import Sequence
 from akv.core.step import StepOutcome, StepRequest
@@ -157,6 +157,14 @@ class ShardState(ShardChecks, ShardPublishing, ShardAppends, ShardRoom, ShardAdm
         a few numpy operations over the batch's rows, no per-sequence Python
         work except for the ~1/block_size rows that start a block.
 
+        Phases, in order: free (:meth:`_free`), commit (:meth:`_commit`, which
+        queues the newly full blocks for the prefix tree), fork (:meth:`_fork`),
+        publish and match (:meth:`_publish`, :meth:`_match_admissions`), append
+        (:meth:`_append`), admit (:meth:`_admit`), then the metadata of the
+        scheduled rows (:meth:`_fill_metadata`). Each phase records what it did
+        in the one :class:`~akv.core.step.StepOutcome` returned, including the
+        blocks stored in and removed from the prefix cache.
+
         Raises:
             UnknownSequence: A commit, fork or append names no live sequence.
             DuplicateSequence: An admission or fork child reuses a live id.
@@ -165,25 +173,46 @@ class ShardState(ShardChecks, ShardPublishing, ShardAppends, ShardRoom, ShardAdm
                 copy-on-write block (:meth:`fork_room`); nothing is applied.
         """
         checked = self.validate(req)
-        bs, seqs, pool, tables = self.block_size, self.sequences, self.pool, self.tables
         out = StepOutcome()
         # Made before anything is applied: frees only add room, commits take none.
-        earmarks = (self.fork_room(req.forks)) if req.forks and self.num_reserved_seqs else []
+        earmarks = self.fork_room(req.forks) if req.forks and self.num_reserved_seqs else []
         if earmarks:
-            out.evicted_blocks += self._room_for_earmarks(len(earmarks))
-
+            self._room_for_earmarks(len(earmarks), out)
         if req.frees:
             self._free(req, out)
             if req.frees_only:
                 if req.want_metadata:
                     self._fill_metadata(out, None, [])
                 return out
-
         publishing = PendingPublish()
         if req.commits:
             self._commit(req.commits, checked, publishing)
+        if req.forks:
+            self._fork(req.forks, earmarks)
+        if publishing.entries:
+            self._publish(publishing, out)
+        keys, matches = self._match_admissions(req.admits)
+        # Prefix hits of admissions not processed yet must not be evicted to make
+        # room for anything else in this step.
+        protected = PendingHits()
+        for i, hits in matches.items():
+            protected.add(i, hits)
+        # Scheduled rows besides a vectorized decode batch, in metadata order:
+        # their ids and (row, first new position, new tokens).
+        sched_ids: list = []
+        sched: list[tuple[int, int, int]] = []
+        decoded = self._append(req, checked, protected, out, sched_ids, sched) if req.appends else None
+        if req.admits:
+            self._admit(req.admits, keys, matches, protected, out, sched_ids, sched)
+        out.seq_ids = decoded[0] + sched_ids if decoded is not None else sched_ids
+        if req.want_metadata:
+            self._fill_metadata(out, decoded, sched)
+        return out
 
-        for parent_id, child_ids in req.forks:
+    def _fork(self, forks, earmarks: list[int]) -> None:
+        """Fork phase: each child shares every block of its parent; earmark the copy-on-write blocks ``earmarks``."""
+        seqs, pool, tables = self.sequences, self.pool, self.tables
+        for parent_id, child_ids in forks:
             parent = seqs[parent_id]
             for child_id in child_ids:
                 child = parent.fork(child_id, tables.new_row())
@@ -197,151 +226,13 @@ class ShardState(ShardChecks, ShardPublishing, ShardAppends, ShardRoom, ShardAdm
             tables.cow_reserved[earmarks] = True
             self.num_reserved += len(earmarks)
 
-        # Batch the matches of ordinary admissions with the inserts in one tree message.
-        bs_keys = (
-            [block_keys(adm.prompt, bs, len(adm.prompt) // bs) for adm in req.admits]
-            if self.enable_prefix_cache
-            else []
-        )
-        matches: dict[int, list[int]] = {}
-        if publishing.entries:
-            self._publish(publishing)
-        if self.enable_prefix_cache:
-            for i, adm in enumerate(req.admits):
-                n = (len(adm.prompt) - 1) // bs
-                matches[i] = self.tree.match(self.namespace_key(adm.namespace), bs_keys[i][:n])
-        # Prefix hits of admissions not processed yet must not be evicted to make
-        # room for anything else in this step.
-        protected = PendingHits()
-        for i, hits in matches.items():
-            protected.add(i, hits)
-
-        # Scheduled rows, in metadata order: (seq ids, rows, first new position, new tokens).
-        decoded = self._decode(req.appends, out, req.commits, checked.commit_rows) if checked.single_appends else None
-        if decoded is None and checked.single_appends:
-            # The batch's new blocks do not fit in the free blocks: evict the
-            # shortfall in one pass (instead of per sequence on the general
-            # path below) and take the vectorized path after all.
-            short = self._decode_shortfall
-            if short <= self._evictable(protected.blocks()):
-                out.evicted_blocks += self._evict(short, protected.blocks())
-                decoded = self._decode(req.appends, out, req.commits, checked.commit_rows)
-        sched_ids: list = []
-        sched: list[tuple[int, int, int]] = []
-        if req.appends and decoded is None:
-            for seq_id, tokens in req.appends.items():
-                seq = seqs[seq_id]
-                blocks = seq.block_ids
-                row = blocks.row
-                start = int(tables.num_tokens[row])
-                single = type(tokens) is int
-                k = 1 if single else len(tokens)
-                tail = start % bs != 0 and pool.refcount(blocks.last()) > 1
-                total = (start + k + bs - 1) // bs
-                need = total - len(blocks) + tail
-                own = row_reserved(tables, row, bs) if self.num_reserved_seqs else 0
-                if need > pool.num_free - self.num_reserved + own or total > pool.num_blocks:
-                    err = self._make_room(need, total, protected, out, own)
-                    if err is not None:
-                        out.rejected[seq_id] = err
-                        continue
-                if tail:
-                    self._copy_on_write(seq_id, row, out)
-                    need -= 1
-                if need:
-                    blocks.extend(pool.allocate(need))
-                    self.table_refs += need
-                    self.counters.blocks_allocated += need
-                tables.shared_tail[row] = False
-                if own:
-                    tables.cow_reserved[row] = False
-                    self.num_reserved += row_reserved(tables, row, bs) - own
-                self._write_tokens(row, start, np.array([tokens], dtype=np.int32) if single else tokens)
-                tables.num_tokens[row] = start + k
-                sched_ids.append(seq_id)
-                sched.append((row, start, k))
-
-        if req.admits and not any(adm.prefill_done for adm in req.admits):
-            out.evicted_blocks += self._evict_for_admissions(req.admits, matches, protected)
-        pending = PendingPublish()
-        published_here = False  # a prefill_done admission of this step has published blocks
-        for i, adm in enumerate(req.admits):
-            prompt = adm.prompt
-            length = len(prompt)
-            max_hit_blocks = (length - 1) // bs
-            ns = self.namespace_key(adm.namespace)
-            hits = matches.get(i, [])
-            if published_here and len(hits) < max_hit_blocks:
-                # Earlier admissions of this step (prefill_done) publish first; their new
-                # blocks may extend this match (they are referenced, so need no protection).
-                if pending.entries:
-                    self._publish(pending)
-                more = self.tree.match(ns, bs_keys[i][len(hits) : max_hit_blocks], hits[-1] if hits else None)
-                if more:
-                    hits = hits + more
-            total = -(-length // bs)
-            need = total - len(hits)
-            reserve = admission_reserve(length, adm.max_new_tokens, bs)
-            err = self._make_room(need + reserve, total + reserve, protected, out)
-            protected.discard(i)
-            if err is not None:
-                out.rejected[adm.seq_id] = err
-                continue
-            seq = Sequence(adm.seq_id, adm.namespace, length, tables.new_row())
-            row = seq.row
-            if self.enable_prefix_cache:
-                seq.prompt_keys = bs_keys[i]
-            pool.incref(hits, hit=True, distinct=True)
-            seq.block_ids.extend(hits)
-            seq.block_ids.extend(pool.allocate(need))
-            self.table_refs += len(hits) + need
-            self.counters.blocks_allocated += need
-            cached = len(hits) * bs
-            self._write_tokens(row, cached, prompt[cached:])
-            tables.num_tokens[row] = length
-            tables.num_computed[row] = cached
-            if adm.max_new_tokens is not None:
-                tables.max_tokens[row] = length + adm.max_new_tokens
-                self.num_reserved += reserve
-                self.num_reserved_seqs += 1
-            seq.num_published = len(hits)
-            seq.num_cached_tokens = cached
-            seqs[adm.seq_id] = seq
-            self.rows[adm.seq_id] = row
-            out.cached_tokens[adm.seq_id] = cached
-            self.counters.sequences_added += 1
-            if adm.resumed:
-                self.counters.sequences_resumed += 1
-                self.counters.resumed_prompt_tokens += length
-                self.counters.resumed_cached_tokens += cached
-            else:
-                self.counters.prompt_tokens += length
-                self.counters.cached_tokens += cached
-            sched_ids.append(adm.seq_id)
-            sched.append((row, cached, length - cached))
-            if adm.prefill_done:
-                tables.num_computed[row] = length
-                self._queue_publish(seq, pending)
-                published_here = published_here or bool(pending.entries)
-        if pending.entries:
-            self._publish(pending)
-
-        if decoded is not None:
-            out.seq_ids = decoded[0] + sched_ids
-        else:
-            out.seq_ids = sched_ids
-        if req.want_metadata:
-            self._fill_metadata(out, decoded, sched)
-        return out
-
     def evict(self, max_blocks: int) -> int:
         """Evict up to ``max_blocks`` cached blocks, in the eviction policy's order (leaves only).
 
         Returns:
             Blocks evicted (removed from the prefix cache, now free).
         """
-        n = self._evict(max_blocks, frozenset())
-        return n
+        return self._evict(max_blocks, frozenset())
 
     def release_copy_pins(self, block_ids: list[int]) -> None:
         """A copy batch finished: its source and destination blocks may become cached or free."""

@@ -109,7 +109,9 @@ class ShardMachineBase(RuleBasedStateMachine):
         return f"s{self._next_id}"
 
     def _step(self, **kw: Any) -> StepOutcome:
+        before = set(self.tree.block_ids())
         out = self.shard.step(StepRequest(**kw))
+        self._check_cache_changes(before, out)
         if out.copies:
             pins = [b for pair in out.copies for b in pair]
             if self.hold_copies:
@@ -117,6 +119,17 @@ class ShardMachineBase(RuleBasedStateMachine):
             else:  # the copies ran: release their source and destination pins
                 self.shard.release_copy_pins(pins)
         return out
+
+    def _check_cache_changes(self, before: set[int], out: StepOutcome) -> None:
+        """The step's stored and removed block ids are exactly how the tree changed from ``before``."""
+        stored, removed = out.stored_block_ids, out.removed_block_ids
+        assert len(set(stored)) == len(stored), f"a block stored twice: {stored}"
+        assert len(set(removed)) == len(removed), f"a block removed twice: {removed}"
+        assert set(removed) <= before, f"removed {sorted(set(removed) - before)}, not in the prefix cache"
+        kept = before - set(removed)
+        assert kept.isdisjoint(stored), f"stored {sorted(kept & set(stored))}, already in the prefix cache"
+        assert kept | set(stored) == set(self.tree.block_ids()), "stored/removed block ids differ from the tree diff"
+        assert len(removed) == out.evicted_blocks
 
     def _pinned(self) -> set[int]:
         return {b for pins in self.pending for b in pins}
