@@ -72,7 +72,7 @@ class ShardAdmission:
         """Evict the whole step's admission shortfall in one pass (recorded in ``out``).
 
         The admissions would otherwise each evict their own shortfall (one
-        eviction pass, with its tree message, per admission). The victims are
+        eviction pass, with its tree removals, per admission). The victims are
         the same blocks in the same order: allocations add nothing to the
         eviction order and every pending hit is protected either way. Does
         nothing unless the whole shortfall can be met (then some admission

@@ -89,7 +89,7 @@ class ShardRoom:
         All cached blocks but those above a published block that only a
         pending copy still holds: the tree evicts only leaves, so they wait
         for the copy. (A referenced block's ancestors are referenced too: the
-        same block table holds them.) One tree message, only while such a
+        same block table holds them.) Walks the tree only while such a
         pinned block exists; O(pins + their depth).
 
         Returns:

@@ -5,6 +5,13 @@ and calls it directly: the pool shard actor runs one method per message, and
 tests run the same methods without any actor. No asyncio or torch is
 imported here.
 
+The step's phases are grouped by responsibility in mixins, one module each:
+validation and invariant checks (:mod:`akv.core.checks`), commit and publish
+(:mod:`akv.core.publish`), appends, decode and metadata
+(:mod:`akv.core.decode`), admissions (:mod:`akv.core.admission`), room and
+eviction (:mod:`akv.core.room`). This module holds the state, the step's
+order of phases, fork and free.
+
 Every public mutation validates its whole input before changing anything, so
 an error leaves the shard exactly as it was.
 """
