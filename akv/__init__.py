@@ -6,11 +6,12 @@ The public entry point is :class:`KVCacheManager` with a :class:`KVCacheConfig`.
 from akv.config import MODEL_SHAPES, KVCacheConfig, ModelShape, model_shape
 from akv.core.step import Admit
 from akv.manager import KVCacheManager
-from akv.results import CacheStats, CopyCompletion, StepResult
+from akv.results import BlockInfo, CacheStats, CopyCompletion, StepResult
 
 __all__ = [
     "MODEL_SHAPES",
     "Admit",
+    "BlockInfo",
     "CacheStats",
     "CopyCompletion",
     "KVCacheConfig",

@@ -7,13 +7,16 @@ dtypes are named by string and resolved by :mod:`akv.storage`.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
-from akv.core.eviction_policy import EVICTION_POLICIES
+from akv.core.block_key import KEY_FUNCTION, KEY_VERSION
+from akv.core.eviction_policy import DEFAULT_EVICTION_POLICY, EVICTION_POLICIES
 from akv.errors import InvalidInput
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
@@ -92,7 +95,8 @@ class KVCacheConfig:
     """Everything a :class:`~akv.manager.KVCacheManager` needs to start.
 
     Args:
-        num_blocks: Blocks in the pool (all shards together).
+        num_blocks: Usable blocks in the pool (all shards together); the storage
+            holds one more, the null block (:attr:`null_block_id`).
         block_size: Tokens per block (vLLM default 16).
         model: Attention shape that sizes the tensors.
         storage: ``"tensors"`` allocates one K/V tensor per layer on
@@ -121,6 +125,7 @@ class KVCacheConfig:
             (cheap counters) and raise on violation; for tests and stress runs.
         eviction_policy: Which cached block to evict first, by name (see
             :data:`akv.core.eviction_policy.EVICTION_POLICIES`). Default
+            :data:`~akv.core.eviction_policy.DEFAULT_EVICTION_POLICY`,
             ``"slru"``: never-hit blocks go before hit ones; on the Mooncake
             conversation trace it beats LRU by 0.8-0.9 points of hit rate
             (+19 % relative at the tight pool) at LRU's O(1) cost
@@ -144,7 +149,7 @@ class KVCacheConfig:
     eviction_batch_blocks: int = 256
     inbox_capacity: int = 1024
     debug_invariants: bool = False
-    eviction_policy: str = "slru"
+    eviction_policy: str = DEFAULT_EVICTION_POLICY
 
     def __post_init__(self) -> None:
         for field in (
@@ -211,9 +216,22 @@ class KVCacheConfig:
         return self.model.bytes_per_block(self.block_size)
 
     @property
+    def null_block_id(self) -> int:
+        """The reserved block id that pads block tables: ``num_blocks``, one past the usable blocks.
+
+        vLLM pads block tables with a null block that is never allocated (its
+        block 0). akv keeps ids ``0 .. num_blocks - 1`` as the usable blocks
+        (their ids stay as they were, shard ranges included) and reserves the
+        id after them: the storage holds ``num_blocks + 1`` blocks per layer,
+        the last one the null block, which is never allocated, cached or
+        evicted; a model runner may write garbage into its slots.
+        """
+        return self.num_blocks
+
+    @property
     def pool_bytes(self) -> int:
-        """Bytes of the whole pool (``num_blocks * bytes_per_block``)."""
-        return self.num_blocks * self.bytes_per_block
+        """Bytes of the K/V tensors: ``(num_blocks + 1) * bytes_per_block``, the null block included."""
+        return (self.num_blocks + 1) * self.bytes_per_block
 
     def shard_ranges(self) -> list[range]:
         """Contiguous block-id range of each shard, sizes differing by at most one."""
@@ -224,3 +242,39 @@ class KVCacheConfig:
             ranges.append(range(start, start + size))
             start += size
         return ranges
+
+    def fingerprint(self) -> dict:
+        """What decides whether cached K/V and block keys made under this configuration can be reused.
+
+        A snapshot records it and refuses to load under another one. It holds
+        the model (preset name, layers, KV heads, head dim, dtype), the block
+        size, the vocabulary size, and the block key function and version
+        (:mod:`akv.core.block_key`); not the pool's size, sharding, device,
+        watermarks or eviction policy, which a warm restart may change.
+
+        Returns:
+            A JSON-serializable dict of str, int and nested dicts.
+        """
+        m = self.model
+        return {
+            "model": {
+                "name": m.name,
+                "num_layers": m.num_layers,
+                "num_kv_heads": m.num_kv_heads,
+                "head_dim": m.head_dim,
+                "dtype": m.dtype,
+            },
+            "block_size": self.block_size,
+            "vocab_size": self.vocab_size,
+            "key_function": KEY_FUNCTION,
+            "key_version": KEY_VERSION,
+        }
+
+    def fingerprint_hex(self) -> str:
+        """SHA-256 of the canonical JSON of :meth:`fingerprint` (sorted keys, no spaces, ASCII).
+
+        Returns:
+            64 lowercase hex digits, equal for equal fingerprints on any machine.
+        """
+        text = json.dumps(self.fingerprint(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        return hashlib.sha256(text.encode("ascii")).hexdigest()

@@ -23,17 +23,18 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
+from akv.argtypes import float_range, int_range, log_level
+
 if TYPE_CHECKING:
     from akv.testing.equivalence import CheckResult
 
 __all__ = ["main_generate", "register"]
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+#: Largest ``--steps`` and ``--prompt-len`` (the dense reference attends over all tokens).
+MAX_TOKENS = 4096
+#: Largest ``--beam-width`` and ``--samples``.
+MAX_WIDTH = 64
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -54,20 +55,26 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     gp.add_argument("--check", action="store_true", help="compare with the dense-cache reference; exit 1 on mismatch")
     gp.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device of weights and K/V (default cpu)")
-    gp.add_argument("--seed", type=int, default=0, help="seed of weights, prompts and samplers (default 0)")
-    gp.add_argument("--steps", type=_positive_int, default=32, help="tokens generated per sequence (default 32)")
-    gp.add_argument("--beam-width", type=_positive_int, default=4, help="beams kept per step (default 4)")
-    gp.add_argument("--samples", type=_positive_int, default=4, help="parallel samples n (default 4)")
-    gp.add_argument("--block-size", type=_positive_int, default=4, help="tokens per block (default 4)")
-    gp.add_argument("--prompt-len", type=_positive_int, default=21, help="prompt tokens (default 21)")
-    gp.add_argument("--tolerance", type=float, default=1e-4, help="max |logit| or |score| difference (default 1e-4)")
+    gp.add_argument(
+        "--seed", type=int_range(0, (1 << 63) - 1), default=0, help="seed of weights, prompts and samplers (default 0)"
+    )
+    gp.add_argument(
+        "--steps", type=int_range(1, MAX_TOKENS), default=32, help="tokens generated per sequence (default 32)"
+    )
+    gp.add_argument("--beam-width", type=int_range(1, MAX_WIDTH), default=4, help="beams kept per step (default 4)")
+    gp.add_argument("--samples", type=int_range(1, MAX_WIDTH), default=4, help="parallel samples n (default 4)")
+    gp.add_argument("--block-size", type=int_range(1, MAX_TOKENS), default=4, help="tokens per block (default 4)")
+    gp.add_argument("--prompt-len", type=int_range(1, MAX_TOKENS), default=21, help="prompt tokens (default 21)")
+    gp.add_argument(
+        "--tolerance", type=float_range(0.0), default=1e-4, help="max |logit| or |score| difference (default 1e-4)"
+    )
     gp.add_argument(
         "--threads",
-        type=_positive_int,
+        type=int_range(1, 1024),
         default=1,
         help="torch intra-op threads while running (default 1: the model is tiny, more threads only add sync)",
     )
-    gp.add_argument("--log-level", default="warning", help="console log level (default warning)")
+    gp.add_argument("--log-level", type=log_level, default="warning", help="console log level (default warning)")
     return gp
 
 

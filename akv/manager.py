@@ -32,7 +32,7 @@ import structlog
 import torch
 
 from akv.actors.eviction_loop import EvictionLoop
-from akv.actors.messages import Check, Inspect, Lookup, Room, Stats, Step, Validate
+from akv.actors.messages import Check, Evict, Inspect, InspectBlock, Lookup, Room, Stats, Step, Validate
 from akv.actors.pool_shard import PoolShardActor, SequenceInfo, ShardStats
 from akv.actors.runtime import Actor
 from akv.config import KVCacheConfig
@@ -52,7 +52,7 @@ from akv.errors import (
 )
 from akv.obs.metrics import ManagerMetrics, MetricsSnapshot
 from akv.obs.tracing import AkvTracer
-from akv.results import NO_COPIES, CacheStats, CopyCompletion, StepResult
+from akv.results import NO_COPIES, BlockInfo, CacheStats, CopyCompletion, StepResult
 from akv.storage import CopyExecutor, KVStorage
 
 __all__ = ["Admit", "KVCacheManager"]
@@ -127,6 +127,7 @@ class KVCacheManager:
                     cfg.block_size,
                     enable_prefix_cache=cfg.enable_prefix_cache,
                     eviction_policy=cfg.eviction_policy,
+                    null_block_id=cfg.null_block_id,
                 )
             except MemoryError:
                 self._shards.clear()
@@ -582,7 +583,9 @@ class KVCacheManager:
         tables = context = qsl = slots = None
         if with_meta:
             width = max(o.block_tables.shape[1] for o in with_meta)
-            tables = np.zeros((sum(o.block_tables.shape[0] for o in with_meta), width), dtype=np.int32)
+            tables = np.full(
+                (sum(o.block_tables.shape[0] for o in with_meta), width), self.config.null_block_id, dtype=np.int32
+            )
             row = 0
             for o in with_meta:
                 b, w = o.block_tables.shape
@@ -897,12 +900,88 @@ class KVCacheManager:
             raise UnknownSequence(seq_id)
         return await self._ask(self._shards[self._route[seq_id]], Inspect(seq_id))
 
+    async def evict(self, max_blocks: int) -> int:
+        """Evict up to ``max_blocks`` cached blocks now; return how many were evicted.
+
+        The path the background eviction loop takes (an ``Evict`` message to a
+        shard): only cached leaves of the prefix cache, deepest first, in the
+        eviction policy's order within a shard; never a block a sequence
+        references or a pending copy pins. An admission's prefix hits are
+        protected inside the shard's step, which is atomic, so no message runs
+        between its match and its pin. Each shard's policy clock is its own:
+        with several shards they are asked in index order, each for what is
+        still wanted. Evicted blocks are free at once.
+
+        Args:
+            max_blocks: Most blocks to evict (an ``int >= 0``; 0 evicts nothing).
+
+        Returns:
+            Blocks evicted (``<= max_blocks``; fewer when fewer are evictable).
+
+        Raises:
+            InvalidInput: ``max_blocks`` is not an int ``>= 0`` (a bool is refused).
+            ActorCrashed, ManagerClosed: The manager is not running.
+        """
+        self._check_running()
+        if type(max_blocks) not in (int, *NUMPY_INTEGER_TYPES) or max_blocks < 0:
+            raise InvalidInput(f"max_blocks must be an int >= 0, got {describe(max_blocks)}")
+        want = int(max_blocks)
+        if len(self._shards) == 1:
+            return await self._ask(self._shards[0], Evict(want)) if want else 0
+        evicted = 0
+        async with self._sharded_lock:  # not between a sharded step's validation and its application
+            for shard in self._shards:
+                if evicted >= want:
+                    break
+                evicted += await self._ask(shard, Evict(want - evicted))
+        return evicted
+
+    async def block_info(self, block_id: int) -> BlockInfo:
+        """Snapshot of one block: its state, refcount and, if published, its content key.
+
+        The key is computed on demand (``O(depth)`` hashes, in the owning
+        shard) from the block's chain in the prefix tree: for the block at
+        position ``i`` of a cached prompt it equals
+        ``akv.core.block_key.chain_keys(prompt, block_size, namespace)[i]``,
+        whichever shard and block id hold it.
+
+        Args:
+            block_id: An ``int`` (or numpy integer) in ``[0, num_blocks)``; not a bool.
+
+        Returns:
+            A frozen :class:`~akv.results.BlockInfo`.
+
+        Raises:
+            InvalidInput: ``block_id`` is not an integer in range (checked
+                before any message is sent).
+        """
+        self._check_running()
+        if type(block_id) in NUMPY_INTEGER_TYPES:
+            block_id = int(block_id)
+        if type(block_id) is not int or not 0 <= block_id < self.config.num_blocks:
+            raise InvalidInput(f"block_id must be an int in [0, {self.config.num_blocks}), got {describe(block_id)}")
+        shard = next(i for i, ids in enumerate(self.config.shard_ranges()) if block_id in ids)
+        return await self._ask(self._shards[shard], InspectBlock(block_id))
+
     async def wait_copies(self) -> None:
-        """Wait until every copy submitted so far has run."""
+        """Wait until every copy submitted so far has run, and settle the shards.
+
+        A shard releases a finished copy's pins when it serves its next
+        message; this call sends one (:class:`Stats`) to each shard that
+        published pins not yet released, so right after it returns
+        :meth:`stats`, the metrics scrape and the gauges show no block in
+        flight for those copies.
+
+        Raises:
+            ActorCrashed, ManagerClosed: The manager is not running.
+        """
         self._check_running()
         for ticket in list(self._tickets):
             await ticket.wait_async()
         self._tickets = [t for t in self._tickets if not t.done()]
+        for shard in self._shards:
+            if shard.pinned_copies:
+                await self._ask(shard, Stats())
 
     async def stats(self) -> CacheStats:
         """Snapshot of block states, counters and actor inbox depths."""
@@ -963,6 +1042,34 @@ class KVCacheManager:
         await self.wait_copies()
         for shard in self._shards:
             await self._ask(shard, Check())
+
+    def block_refcounts(self) -> dict[int, int]:
+        """Block id -> refcount of every block that some block table holds (read-only audit view).
+
+        Reads the shards' pools without a message, so take it at a quiescent
+        point (no call in flight); it also reads the state a crashed manager
+        left behind. The stress harness recounts it from the block tables.
+
+        Returns:
+            ``{block_id: refcount}`` for every block with refcount >= 1. O(num_blocks).
+        """
+        out: dict[int, int] = {}
+        for shard in self._shards:
+            pool = shard.state.pool
+            for b in range(pool.first_block_id, pool.first_block_id + pool.num_blocks):
+                if r := pool.refcount(b):
+                    out[b] = r
+        return out
+
+    @property
+    def null_block_id(self) -> int:
+        """The block id that pads every block table: ``config.num_blocks`` (see :attr:`KVCacheConfig.null_block_id`).
+
+        Never allocated, cached or evicted; the storage has one block for it
+        past the usable ones, so a model runner may read it or write garbage
+        into its slots without touching any sequence's K/V.
+        """
+        return self.config.null_block_id
 
     @property
     def usage(self) -> float:

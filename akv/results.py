@@ -71,7 +71,11 @@ class StepResult:
 
     Attributes:
         seq_ids: Scheduled sequence ids, one per row.
-        block_tables: int32 ``(batch, max_blocks)``, padded with 0.
+        block_tables: int32 ``(batch, max_blocks)``; past each row's
+            ``ceil(context_len / block_size)`` blocks, padded with the null
+            block id (``kv.null_block_id == config.num_blocks``: a block the
+            storage holds past the usable ones, never allocated; reading it
+            or writing garbage into it touches no sequence's K/V).
         context_lens: int32 ``(batch,)``: tokens per sequence including this
             step's new ones.
         query_start_loc: int32 ``(batch + 1,)``: row ``i``'s new tokens are
@@ -158,3 +162,32 @@ class CacheStats:
     resumed_prompt_tokens: int = 0
     resumed_cached_tokens: int = 0
     reserved_blocks: int = 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BlockInfo:
+    """Snapshot of one block, for inspection (:meth:`~akv.manager.KVCacheManager.block_info`).
+
+    Attributes:
+        block_id: The block.
+        shard: Index of the shard that owns it.
+        state: ``"free"``, ``"active"`` (refcount >= 1), ``"cached"``
+            (refcount 0, in the prefix cache) or ``"in_flight"`` (a copy pending).
+        refcount: Block tables that hold it.
+        key: Its content key (:func:`akv.core.block_key.chain_keys`, 16 bytes)
+            while it is a published full block in the prefix cache, else ``None``.
+        depth: Blocks from its namespace's root down to it, itself included
+            (0 when not published).
+        num_tokens_in_chain: Tokens those blocks hold, ``depth * block_size``.
+        namespace: The namespace it is cached under (``None`` is the default
+            namespace, as for an unpublished block).
+    """
+
+    block_id: int
+    shard: int
+    state: str
+    refcount: int
+    key: bytes | None
+    depth: int
+    num_tokens_in_chain: int
+    namespace: Hashable = None

@@ -1,4 +1,4 @@
-"""BlockTables: released rows give their blocks deepest first and come back zeroed."""
+"""BlockTables: released rows give their blocks deepest first and come back padded with the null block."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from akv.core import block_table
 from akv.core.block_table import BlockTables
 from akv.core.shard_state import ShardState
 
+NULL = 10_001  # a pad id outside the drawn block ids
+
 
 @settings(max_examples=100, deadline=None)
 @given(
@@ -21,7 +23,7 @@ from akv.core.shard_state import ShardState
 def test_release_many_returns_each_row_deepest_first(rows, data, sliced_max: int) -> None:
     saved, block_table._SLICED_ROWS_MAX = block_table._SLICED_ROWS_MAX, sliced_max
     try:
-        tables = BlockTables(rows=2, cols=2)  # small, so that rows and columns grow
+        tables = BlockTables(rows=2, cols=2, pad=NULL)  # small, so that rows and columns grow
         handles = []
         for blocks in rows:
             row = tables.new_row()
@@ -37,7 +39,7 @@ def test_release_many_returns_each_row_deepest_first(rows, data, sliced_max: int
     for _ in chosen:
         row = tables.new_row()
         assert len(row) == 0 and row.tolist() == []
-        assert not tables.array[row.row].any()
+        assert (tables.array[row.row] == NULL).all()
         assert tables.num_tokens[row.row] == tables.num_computed[row.row] == 0
         assert not tables.shared_tail[row.row]
 
@@ -55,6 +57,20 @@ def test_recycled_row_counters_are_zeroed() -> None:
     assert (len(again), tables.num_tokens[again.row], tables.num_computed[again.row]) == (0, 0, 0)
     assert not tables.shared_tail[again.row]
     assert not tables.array[again.row].any()
+
+
+def test_gather_pads_every_row_with_the_pad_id_also_past_the_column_capacity() -> None:
+    tables = BlockTables(rows=1, cols=2, pad=NULL)
+    a, b, c = tables.new_row(), tables.new_row(), tables.new_row()  # rows grow
+    a.extend([1, 2, 3])  # columns grow
+    c.extend([4])
+    rows = np.array([a.row, b.row, c.row])
+    assert tables.gather(rows, 3).tolist() == [[1, 2, 3], [NULL] * 3, [4, NULL, NULL]]
+    wide = tables.gather(rows, tables.array.shape[1] + 2)
+    assert wide[:, 3:].tolist() == [[NULL] * (wide.shape[1] - 3)] * 3
+    tables.release_many([a.row])
+    d = tables.new_row()
+    assert d.row == a.row and tables.gather(np.array([d.row]), 4).tolist() == [[NULL] * 4]
 
 
 @pytest.mark.parametrize("sliced_max", [0, 32])

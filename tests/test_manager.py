@@ -88,7 +88,7 @@ async def test_every_public_call_counts_exactly(tiny_config) -> None:
         assert (stats.blocks_allocated, stats.forks, stats.cow_copies) == (5, 1, 0)
         assert (stats.sequences_added, stats.sequences_freed, stats.pool_exhausted) == (2, 0, 0)
         assert (stats.blocks_evicted, stats.eviction_batches) == (0, 0)
-        assert stats.pool_bytes == 16 * cfg.bytes_per_block == kv.storage.nbytes
+        assert stats.pool_bytes == (16 + 1) * cfg.bytes_per_block == kv.storage.nbytes  # the null block included
 
         assert await kv.free("a") is True
         assert await kv.free("b") is True

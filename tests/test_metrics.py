@@ -48,18 +48,18 @@ def assert_agrees(samples: dict, stats) -> None:
     counters = {
         "akv_blocks_allocated_total": stats.blocks_allocated,
         "akv_blocks_freed_total": stats.blocks_freed,
-        "akv_evictions_total": stats.blocks_evicted,
+        "akv_blocks_evicted_total": stats.blocks_evicted,
         "akv_eviction_batches_total": stats.eviction_batches,
         "akv_prefix_cache_queries_tokens_total": stats.prompt_tokens,
         "akv_prefix_cache_hits_tokens_total": stats.cached_tokens,
         "akv_prefix_cache_resumed_queries_tokens_total": stats.resumed_prompt_tokens,
         "akv_prefix_cache_resumed_hits_tokens_total": stats.resumed_cached_tokens,
-        "akv_cow_copies_total": stats.cow_copies,
-        "akv_forks_total": stats.forks,
+        "akv_blocks_copied_on_write_total": stats.cow_copies,
+        "akv_sequences_forked_total": stats.forks,
         "akv_sequences_added_total": stats.sequences_added,
         "akv_sequences_freed_total": stats.sequences_freed,
-        "akv_preemptions_total": stats.preemptions,
-        "akv_pool_exhausted_total": stats.pool_exhausted,
+        "akv_sequences_preempted_total": stats.preemptions,
+        "akv_pool_exhausted_refusals_total": stats.pool_exhausted,
     }
     assert {name: value(samples, name) for name in counters} == counters
     for state in ("free", "active", "cached", "in_flight"):
@@ -81,18 +81,18 @@ NO_COUNTS = dict.fromkeys(
     [
         "blocks_allocated",
         "blocks_freed",
-        "evictions",
+        "blocks_evicted",
         "eviction_batches",
         "prefix_cache_queries_tokens",
         "prefix_cache_hits_tokens",
         "prefix_cache_resumed_queries_tokens",
         "prefix_cache_resumed_hits_tokens",
-        "cow_copies",
-        "forks",
+        "blocks_copied_on_write",
+        "sequences_forked",
         "sequences_added",
         "sequences_freed",
-        "preemptions",
-        "pool_exhausted",
+        "sequences_preempted",
+        "pool_exhausted_refusals",
     ],
     0,
 )
@@ -122,11 +122,11 @@ async def test_counters_count_the_operations_of_a_manual_workload(tiny_config) -
             "blocks_freed": 1 + 1,
             "prefix_cache_queries_tokens": 10 + 10,
             "prefix_cache_hits_tokens": 8,
-            "cow_copies": 1,
-            "forks": 1,
+            "blocks_copied_on_write": 1,
+            "sequences_forked": 1,
             "sequences_added": 2,
             "sequences_freed": 2,
-            "preemptions": 1,
+            "sequences_preempted": 1,
         }
         assert counters(samples) == expected
         # b alone holds its 2 shared full blocks and its copied tail; nothing cached (b still holds a's blocks).
@@ -135,7 +135,7 @@ async def test_counters_count_the_operations_of_a_manual_workload(tiny_config) -
         assert value(samples, "akv_step_latency_seconds_count") == 7  # one step per call above
         assert value(samples, "akv_copy_bytes_count") == 1
         assert value(samples, "akv_copy_bytes_sum") == kv.config.bytes_per_block
-        assert {k[1] for k in samples if k[0] == "akv_actor_inbox_depth"} == {(("actor", "pool_shard_0"),)}
+        assert {k[1] for k in samples if k[0] == "akv_actor_inbox_messages"} == {(("actor", "pool_shard_0"),)}
         assert_agrees(samples, stats)
     # The registry stays readable after exit: final values.
     assert counters(scrape(kv.metrics_registry)) == expected
@@ -160,12 +160,12 @@ async def test_counters_count_forced_evictions_and_refusals(tiny_config) -> None
             **NO_COUNTS,
             "blocks_allocated": 3 + 3 + 5,
             "blocks_freed": 1 + 1 + 1,  # the two tails, then the evicted block
-            "evictions": 1,
+            "blocks_evicted": 1,
             "eviction_batches": 1,
             "prefix_cache_queries_tokens": 9 + 9 + 20,  # refused admissions are not queries
             "sequences_added": 3,
             "sequences_freed": 2,
-            "pool_exhausted": 1,
+            "pool_exhausted_refusals": 1,
         }
         assert block_gauges(samples) == {"free": 0, "active": 5, "cached": 3, "in_flight": 0}
         assert_agrees(samples, await kv.stats())
@@ -200,7 +200,7 @@ async def test_tight_replay_metrics_agree_with_stats_and_report(num_shards: int)
         samples = scrape(kv.metrics_registry)
     assert_agrees(samples, stats)
     assert report.preemptions > 0
-    assert value(samples, "akv_preemptions_total") == report.preemptions
+    assert value(samples, "akv_sequences_preempted_total") == report.preemptions
     assert value(samples, "akv_prefix_cache_queries_tokens_total") == report.prompt_tokens
     assert value(samples, "akv_prefix_cache_hits_tokens_total") == report.cached_tokens
     assert value(samples, "akv_prefix_cache_resumed_queries_tokens_total") == report.readmit_prompt_tokens
@@ -246,9 +246,9 @@ def test_cli_metrics_out_agrees_with_the_json_report(tmp_path: Path, restore_log
         for sample in family.samples:
             samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     assert data["preemptions"] > 0 and data["evictions"] > 0  # not vacuous
-    assert value(samples, "akv_preemptions_total") == data["preemptions"]
-    assert value(samples, "akv_evictions_total") == data["evictions"]
-    assert value(samples, "akv_cow_copies_total") == data["cow_copies"]
+    assert value(samples, "akv_sequences_preempted_total") == data["preemptions"]
+    assert value(samples, "akv_blocks_evicted_total") == data["evictions"]
+    assert value(samples, "akv_blocks_copied_on_write_total") == data["cow_copies"]
     assert value(samples, "akv_prefix_cache_queries_tokens_total") == data["prompt_tokens"]
     assert value(samples, "akv_prefix_cache_hits_tokens_total") == data["cached_tokens"]
     assert value(samples, "akv_prefix_cache_resumed_queries_tokens_total") == data["readmit_prompt_tokens"]
@@ -280,13 +280,8 @@ async def test_served_metrics_parse_and_agree_with_stats(tiny_config) -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    strict=True,
-    reason="akv: a shard settles a finished copy only on its next message, so a scrape right after "
-    "wait_copies() still shows the copy's freed source block in flight (and not counted as freed), "
-    "while the next stats() shows it free",
-)
-async def test_scrape_right_after_wait_copies_shows_no_block_in_flight(tiny_config, monkeypatch) -> None:
+@pytest.mark.parametrize("num_shards", [1, 2])
+async def test_scrape_right_after_wait_copies_shows_no_block_in_flight(tiny_config, monkeypatch, num_shards) -> None:
     real_copy = KVStorage._copy_unchecked
     go = threading.Event()
 
@@ -295,7 +290,7 @@ async def test_scrape_right_after_wait_copies_shows_no_block_in_flight(tiny_conf
         real_copy(self, src, dst)
 
     monkeypatch.setattr(KVStorage, "_copy_unchecked", gated_copy)
-    async with KVCacheManager(tiny_config(num_blocks=16)) as kv:
+    async with KVCacheManager(tiny_config(num_blocks=16, num_shards=num_shards)) as kv:
         await kv.add_sequence("a", list(range(1, 7)))  # 2 blocks, partial tail
         await kv.fork("a", ["b"])
         await kv.append("a", [7])  # a copies the shared tail; b keeps the original (the copy's source)
@@ -303,3 +298,4 @@ async def test_scrape_right_after_wait_copies_shows_no_block_in_flight(tiny_conf
         go.set()
         await kv.wait_copies()
         assert block_gauges(scrape(kv.metrics_registry))["in_flight"] == 0
+        assert kv.blocks_in_use == 2  # a's two blocks; the copy's source is free, not in flight

@@ -16,7 +16,7 @@ import pytest
 from akv.core.step import Admit
 from akv.errors import InvalidInput, InvalidTokens, PoolExhausted, RequestTooLarge, UnknownSequence
 from akv.manager import KVCacheManager
-from akv.stress.kv_io import append, block_states, prefill, reads_back, refcounts, write
+from akv.stress.kv_io import append, block_states, fork, prefill, reads_back, refcounts, write
 from tests.eviction_passes import EvictionPasses
 
 pytestmark = pytest.mark.anyio
@@ -41,7 +41,7 @@ async def test_case1_fork_partial_tail_one_private_copy(tiny_config, first: str)
     """Fork a 6-token sequence; each copy appends a different token: exactly one copy of the shared tail."""
     async with KVCacheManager(config(tiny_config)) as kv:
         assert await prefill(kv, "s0", [1, 2, 3, 4, 5, 6]) == 0
-        await kv.fork("s0", ["s1"])
+        await fork(kv, "s0", ["s1"])
         assert await refcounts(kv, ["s0", "s1"]) == {0: 2, 1: 2}
         order = ["s0", "s1"] if first == "parent" else ["s1", "s0"]
         r_first = await append(kv, order[0], [7])
@@ -192,7 +192,7 @@ async def test_case5_shared_partial_tail_appends_never_tear(tiny_config, order: 
     """Two sequences sharing a partial tail append different tokens: no torn block, no negative refcount."""
     async with KVCacheManager(config(tiny_config, num_blocks=6)) as kv:
         await prefill(kv, "s0", [1, 2, 3, 4, 5, 6])
-        await kv.fork("s0", ["s1"])
+        await fork(kv, "s0", ["s1"])
         if order == "parent_first":
             await append(kv, "s0", [7, 17])
             await append(kv, "s1", [8, 18])
@@ -244,9 +244,9 @@ async def _fork_chain_final_state(tiny_config, removal: tuple[str, ...]) -> tupl
     async with KVCacheManager(config(tiny_config, num_blocks=8)) as kv:
         await prefill(kv, "S0", [1, 2, 3, 4, 5])
         await append(kv, "S0", [6])
-        await kv.fork("S0", ["S1"])
+        await fork(kv, "S0", ["S1"])
         await append(kv, "S1", [7, 8])
-        await kv.fork("S1", ["S2"])
+        await fork(kv, "S1", ["S2"])
         await append(kv, "S2", [9, 10, 11])
         await append(kv, "S0", [12])  # the parent appends after the fork too (copy-on-write)
         histories = {s: (await kv.sequence(s)).token_ids for s in ("S0", "S1", "S2")}

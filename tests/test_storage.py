@@ -60,7 +60,8 @@ def test_from_config_sizes_match_config() -> None:
     storage = KVStorage.from_config(config)
     assert storage is not None
     assert len(storage.kv_caches) == 2
-    assert storage.kv_caches[0].shape == (2, 5, 4, 2, 16)
+    assert storage.kv_caches[0].shape == (2, 6, 4, 2, 16)  # 5 usable blocks and the null block
+    assert storage.null_block_id == config.null_block_id == 5
     assert storage.dtype is torch.float32 and storage.device == torch.device("cpu")
     assert storage.bytes_per_block == config.bytes_per_block
     assert storage.nbytes == config.pool_bytes
@@ -141,7 +142,7 @@ def test_float8_cache_round_trip_is_bytewise() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"slot_mapping": torch.tensor([0, 32])}, "slot_mapping out of range"),
+        ({"slot_mapping": torch.tensor([0, 36])}, "slot_mapping out of range"),  # 32..35: the null block
         ({"slot_mapping": torch.tensor([-1, 0])}, "slot_mapping out of range"),
         ({"slot_mapping": torch.tensor([0.0, 1.0])}, "int32 or int64"),
         ({"slot_mapping": torch.tensor([[0, 1]])}, "1-D"),
@@ -347,7 +348,7 @@ def test_close_drains_queued_batches_then_submit_raises() -> None:
     executor.close(drain=True)
     assert all(t.done() and t.exception() is None for t in tickets)
     assert executor.completed_seq_no == 8
-    assert torch.equal(storage.kv_caches[1][:, 8:], storage.kv_caches[1][:, :8])
+    assert torch.equal(storage.kv_caches[1][:, 8:16], storage.kv_caches[1][:, :8])
     with pytest.raises(ManagerClosed):
         executor.submit([0], [1])
     executor.close()  # idempotent

@@ -160,7 +160,7 @@ def test_close_drains_on_cuda() -> None:
     tickets = [executor.submit([i], [i + 16]) for i in range(16)]
     executor.close()  # no worker started: drained inline
     assert all(t.done() and t.exception() is None for t in tickets)
-    assert torch.equal(storage.kv_caches[1][:, 16:], storage.kv_caches[1][:, :16])
+    assert torch.equal(storage.kv_caches[1][:, 16:32], storage.kv_caches[1][:, :16])
 
 
 @pytest.mark.anyio

@@ -14,14 +14,19 @@ from pathlib import Path
 import anyio
 import anyio.lowlevel
 import pytest
+import torch
 
 from akv.config import KVCacheConfig
 from akv.core.step import Admit
 from akv.manager import KVCacheManager
 from akv.stress import StressOptions, main_stress, register, run_stress
+from akv.stress.audit import AuditResult, PublishRecord, audit, compare_refcounts
 from akv.stress.cli import options_from_args
-from akv.stress.kv_io import prefill, reads_back
+from akv.stress.kv_io import append, fork, oracle_for, prefill, quiesce, reads_back
+from akv.stress.kv_io import history as kv_history
 from akv.stress.oracle import KVOracle, history_hashes
+from akv.stress.probe import EXPECTED_ORDER, probe_eviction_order, probe_pending_hits, probe_pinned_child
+from akv.stress.session import tenant_namespaces
 from akv.stress.workload import PromptSource, system_prompt_lengths
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,21 +59,42 @@ def test_prompts_cover_block_boundaries_and_are_seeded() -> None:
 
 
 # -------------------------------------------------------------- short runs
+# Runs end after a number of programs (requests), not a time; every assertion is on counts.
+def _count_run(**overrides) -> StressOptions:
+    fields = {"seed": 1, "sequences": 24, "operations": 120, "duration_s": 900.0}
+    fields.update(overrides)
+    return StressOptions(**fields)
+
+
 @pytest.mark.anyio
 async def test_short_stress_run_is_clean() -> None:
-    report = await run_stress(StressOptions(seed=1, sequences=128, duration_s=12.0))
+    report = await run_stress(_count_run(sequences=48, operations=240, audits=3))
+    assert sum(report.programs.values()) == 240 and report.programs_budget == 240
     assert report.corrupted_reads == 0, report.samples
     assert report.invariant_violations == 0, report.errors
     assert report.leaked_blocks == 0 and report.leaked_sequences == 0
     assert report.unexpected_errors == 0 and report.hung_calls == 0, report.samples
     assert report.nonempty_inboxes == {}
+    assert report.audits == 4 and report.audit_violations == 0, report.errors  # 3 during the run + the end
+    assert report.probe_errors == []
     assert report.forks > 0 and report.cow_copies > 0
     assert report.evictions > 0 and report.eviction_batches > 0
-    assert report.cancellations > 0 and report.aborts > 0
+    assert report.cancellations > 0 and report.aborts > 0 and report.frees_when_cancelled > 0
+    assert report.calls["free_many"] > 0  # several sequences sharing blocks freed in one step
     assert report.verifications > 0 and report.verified_tokens > 0
-    assert report.backend == "asyncio"
+    assert report.backend == "asyncio" and report.eviction_policy == "slru" and report.namespaces == 3
     assert report.ok, report.failures
     assert set(report.as_json()) >= REPORT_KEYS
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("shards", "policy"), [(2, "lru"), (4, "lfu")])
+async def test_sharded_runs_with_each_policy_are_clean(shards: int, policy: str) -> None:
+    report = await run_stress(_count_run(seed=shards, shards=shards, eviction_policy=policy))
+    assert report.shards == shards and report.eviction_policy in ("lru", "lfu", "slru")
+    assert report.audits == 4 and report.audit_violations == 0, report.errors
+    assert report.evictions > 0 and report.forks > 0
+    assert report.ok, (report.failures, report.errors, report.samples)
 
 
 @pytest.mark.anyio
@@ -77,25 +103,151 @@ async def test_short_stress_run_is_clean() -> None:
 )
 async def test_short_stress_run_on_other_event_loops(anyio_backend) -> None:
     pytest.importorskip("uvloop" if anyio_backend != "trio" else "trio")
-    report = await run_stress(StressOptions(seed=2, sequences=32, duration_s=3.0))
+    report = await run_stress(_count_run(seed=2, sequences=16, operations=48))
     assert report.backend == ("trio" if anyio_backend == "trio" else "uvloop")
-    assert report.forks > 0 and report.operations > 0
+    assert report.forks > 0 and sum(report.programs.values()) == 48
     assert report.ok, (report.failures, report.errors, report.samples)
 
 
 @pytest.mark.anyio
-async def test_fault_injection_fails_every_caller_fast_and_a_fresh_manager_works() -> None:
+@pytest.mark.parametrize(
+    ("fault", "shards", "actor"),
+    [
+        ("crash", 1, "pool_shard_0"),
+        ("shard_exception", 2, "pool_shard_1"),
+        ("eviction_crash", 1, "eviction_loop"),
+        ("failing_copies", 1, "stream_worker"),
+    ],
+)
+async def test_fatal_fault_fails_every_caller_fast_and_still_reports_leaks(fault: str, shards: int, actor: str) -> None:
     report = await run_stress(
-        StressOptions(seed=3, sequences=48, duration_s=6.0, inject_crash_after_s=1.5, hang_timeout_s=5.0)
+        _count_run(seed=3, sequences=16, operations=400, shards=shards, fault=fault, fault_after_programs=24)
     )
     fi = report.fault_injection
-    assert fi is not None and fi.injected and fi.actor == "pool_shard_0"
-    assert fi.tasks == 48 and fi.tasks_failed_fast == 48 and fi.tasks_hung == 0
-    assert fi.max_error_latency_s is not None and fi.max_error_latency_s < 5.0
+    assert fi is not None and fi.kind == fault and fi.fatal and fi.injected and fi.actor == actor
+    assert fi.tasks == 16 and fi.tasks_failed_fast == 16 and fi.tasks_hung == 0
     assert fi.aexit_raised and fi.fresh_manager_ok
-    assert report.corrupted_reads == 0 and report.invariant_violations == 0
+    # Recounted from the state the failed manager left behind: figures, never null.
+    assert report.leaked_blocks == 0 and report.leaked_sequences == 0
+    assert report.corrupted_reads == 0 and report.invariant_violations == 0, report.errors
+    assert sum(report.programs.values()) < 400  # every task stopped at the fault, not at the budget
     assert report.ok, report.failures
-    assert report.duration_s < 6.0  # every task stopped at the fault, not at the deadline
+
+
+@pytest.mark.anyio
+async def test_slow_copies_leave_a_clean_run() -> None:
+    report = await run_stress(_count_run(seed=4, fault="slow_copies", fault_after_programs=1))
+    fi = report.fault_injection
+    assert fi is not None and fi.kind == "slow_copies" and not fi.fatal and fi.injected
+    assert report.cow_copies > 0 and report.audits == 4 and report.audit_violations == 0
+    assert report.leaked_blocks == 0 and report.ok, report.failures
+
+
+@pytest.mark.anyio
+async def test_inject_crash_after_s_is_the_crash_fault() -> None:
+    report = await run_stress(_count_run(seed=5, sequences=16, operations=10_000, inject_crash_after_s=0.0))
+    fi = report.fault_injection
+    assert fi is not None and fi.kind == "crash" and fi.injected and fi.tasks_failed_fast == fi.tasks
+    assert report.leaked_blocks == 0 and report.ok, report.failures
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+@pytest.mark.parametrize("fault", [None, "slow_copies", "crash", "shard_exception", "eviction_crash", "failing_copies"])
+async def test_long_run_512_sequences(fault: str | None) -> None:
+    """``akv stress --sequences 512 --duration-s 300`` with each fault (fatal ones fire after 2,000 programs)."""
+    shards = 2 if fault == "shard_exception" else 1
+    options = StressOptions(
+        seed=1, sequences=512, duration_s=300.0, shards=shards, fault=fault, fault_after_programs=2000, audits=5
+    )
+    report = await run_stress(options)
+    assert report.leaked_blocks == 0 and report.leaked_sequences == 0
+    assert report.ok, (report.failures, report.errors[:5])
+
+
+# ------------------------------------------------------------------ audits
+@pytest.mark.anyio
+async def test_quiesce_returns_with_a_full_shard_beside_a_cached_one() -> None:
+    """Regression: quiesce judged the pool as a whole, so a full shard (nothing to evict) beside a
+    shard with cached blocks above its low watermark kept it waiting forever (audits timed out)."""
+    cfg = _config(num_blocks=16, num_shards=2, low_watermark=0.25, high_watermark=0.5)
+    async with KVCacheManager(cfg) as kv:
+        await prefill(kv, "full", list(range(1, 33)))  # shard 0: every block active
+        await prefill(kv, "cached", list(range(100, 117)))
+        await kv.free("cached")  # shard 1: 4 cached blocks
+        await prefill(kv, "held", list(range(200, 208)))  # shard 1: 2 free, its low watermark
+        assert [(await kv.sequence(s)).shard for s in ("full", "held")] == [0, 1]
+        stats = await kv.stats()
+        assert (stats.free, stats.cached) == (2, 4)  # below the pool's low watermark (4) with cached blocks
+        await quiesce(kv, timeout_s=30.0)  # the limit is only a hang guard
+        assert (await kv.stats()).cached == 4  # quiet: nothing was evicted
+
+
+def test_compare_refcounts_names_every_block_that_disagrees() -> None:
+    result = AuditResult()
+    compare_refcounts(result, [(0, 1), (0, 2)], {0: 2, 1: 1, 2: 1})
+    assert result.refcount_mismatches == 0
+    compare_refcounts(result, [(0, 1), (0, 2)], {0: 1, 1: 1, 3: 1})
+    assert result.refcount_mismatches == 3  # 0 (1 vs 2), 2 (0 vs 1), 3 (1 vs 0)
+    assert result.errors[0] == "block 0: refcount 1 but 2 block-table references"
+
+
+@pytest.mark.anyio
+async def test_audit_recounts_refcounts_and_checks_the_prefix_cache() -> None:
+    async with KVCacheManager(_config(num_blocks=12)) as kv:
+        record = PublishRecord(4)
+        record.add(None, [1, 2, 3, 4, 5, 6, 7, 8, 9], 0, 2)
+        await prefill(kv, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])  # two full blocks published
+        await fork(kv, "a", ["b"])
+        await prefill(kv, "c", [1, 2, 3, 4, 50])  # hits the first block
+        clean = await audit(kv, ["a", "b", "c", "gone"], record)
+        assert (clean.violations, clean.live_sequences, clean.cached_prefixes) == (0, 3, 2), clean.errors
+        missing = await audit(kv, ["a", "c"], record)  # "b" holds references the audit is not told of
+        assert missing.unknown_sequences == 1 and missing.refcount_mismatches == 3, missing.errors  # 0, 1, 2
+        short = PublishRecord(4)
+        short.add(None, [1, 2, 3, 4], 0, 1)  # the second block was never committed, as far as it knows
+        assert (await audit(kv, ["a", "b", "c"], short)).prefix_cache_mismatch == 1
+
+
+def test_publish_record_allows_only_committed_prefixes_of_the_same_namespace() -> None:
+    record = PublishRecord(2)
+    record.add("x", [1, 2, 3, 4, 5], 0, 2)
+    assert record.allows("x", [1, 2, 3, 4, 9], 4) and record.allows("x", [1, 2, 7], 2)
+    assert not record.allows(None, [1, 2, 3], 2)  # another tenant
+    assert not record.allows("x", [1, 2, 3, 5], 4)
+    assert tenant_namespaces(5) == (None, ("lora", 1), 2, b"t3", "tenant-4")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("policy", sorted(EXPECTED_ORDER))
+async def test_eviction_probe_holds_each_policy_to_its_definition(policy: str) -> None:
+    assert await probe_eviction_order(policy) == []
+    others = {order for name, order in EXPECTED_ORDER.items() if name != policy}
+    assert EXPECTED_ORDER[policy] not in others  # the probe tells the three policies apart
+    for order in others:
+        assert await probe_eviction_order(policy, expected=order) != []
+
+
+@pytest.mark.anyio
+async def test_pending_copy_and_pending_hit_probes_pass() -> None:
+    assert await probe_pinned_child() == []
+    assert await probe_pending_hits() == []
+
+
+@pytest.mark.anyio
+async def test_kv_io_append_writes_the_clients_history_not_the_managers() -> None:
+    """Regression (issue 18): append wrote K/V for the history the manager reported, so a manager
+    holding other tokens than the client gave it still read back "right"."""
+    async with KVCacheManager(_config(num_blocks=8)) as kv:
+        await prefill(kv, "a", [1, 2, 3])
+        await kv.append("a", [5])  # behind the client's back: the manager now holds 1 2 3 5
+        await kv.commit("a", 1)
+        result = await append(kv, "a", [6])
+        assert kv_history(kv, "a") == [1, 2, 3, 6]
+        expected = oracle_for(kv).values(history_hashes([1, 2, 3, 6]))[:, :, 3]  # (L, 2, H, D)
+        key, _ = kv.storage.gather(0, torch.tensor([result.slot_mapping.item() // 4]), 4)
+        assert torch.equal(key[result.slot_mapping.item() % 4], expected[0, 0])
+        assert not await reads_back(kv, "a")  # the manager's tokens are not the client's
 
 
 # ----------------------------------------------------------------- command
@@ -107,18 +259,48 @@ def test_register_adds_the_stress_subcommand() -> None:
     options = options_from_args(args)
     assert (options.seed, options.sequences, options.backend, options.progress) == (7, 8, "uvloop", False)
     assert options.duration_s == 20.0 and options.block_size == 16 and options.inject_crash_after_s is None
+    assert (options.operations, options.shards, options.eviction_policy, options.fault) == (None, 1, "slru", None)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--shards", "5"], ["--shards", "0"], ["--operations", "0"], ["--seed", "x"], ["--seed", str(2**70)],
+        ["--duration-s", "-1"], ["--duration-s", "nan"], ["--duration-s", "inf"], ["--namespaces", "17"],
+        ["--sequences", "0"], ["--num-blocks", "7"], ["--block-size", "0"], ["--fault", "meteor"],
+        ["--eviction-policy", "fifo"], ["--fault-after-programs", "0"], ["--inject-crash-after-s", "-0.5"],
+        ["--audits", "-1"], ["--log-level", "loud"],
+    ],
+)  # fmt: skip
+def test_out_of_range_options_exit_2(argv: list[str], capsys) -> None:
+    parser = argparse.ArgumentParser(prog="akv")
+    register(parser.add_subparsers(dest="command", required=True))
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["stress", *argv])
+    assert exc.value.code == 2
+    assert "error: argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv", [["--fault", "shard_exception"], ["--fault", "slow_copies", "--inject-crash-after-s", "1"]]
+)
+def test_inconsistent_options_exit_2(argv: list[str], capsys) -> None:
+    parser = argparse.ArgumentParser(prog="akv")
+    register(parser.add_subparsers(dest="command", required=True))
+    assert main_stress(parser.parse_args(["stress", "--no-progress", *argv])) == 2
+    assert "akv stress: error:" in capsys.readouterr().err
 
 
 def test_run_stress_script_writes_report_and_json_log(tmp_path: Path) -> None:
     report_path, log_path = tmp_path / "report.json", tmp_path / "log.jsonl"
     cmd = [
-        sys.executable, str(ROOT / "stress" / "run_stress.py"), "--duration-s", "2", "--sequences", "16",
-        "--json", str(report_path), "--log-json", str(log_path), "--no-progress",
+        sys.executable, str(ROOT / "stress" / "run_stress.py"), "--operations", "16", "--duration-s", "600",
+        "--sequences", "8", "--json", str(report_path), "--log-json", str(log_path), "--no-progress",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(report_path.read_text())
-    assert set(report) >= REPORT_KEYS and report["ok"] is True
+    assert set(report) >= REPORT_KEYS and report["ok"] is True and sum(report["programs"].values()) == 16
     events = [json.loads(line)["event"] for line in log_path.read_text().splitlines()]
     assert "stress.started" in events and "stress.finished" in events and "manager.started" in events
 
@@ -207,14 +389,23 @@ async def test_wait_copies_waits_for_the_copies_of_cancelled_calls() -> None:
         assert (await kv.sequence("s1")).num_tokens == 7  # applied, copy-on-write of the shared tail
         await kv.free("s0")
         await kv.free("s1")
+        done = anyio.Event()
+
+        async def wait_then_mark() -> None:
+            await kv.wait_copies()
+            done.set()
+
         try:
-            with anyio.move_on_after(0.5) as waited:
-                await kv.wait_copies()
-            assert waited.cancelled_caught  # still waiting: the copy is held
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(wait_then_mark)
+                for _ in range(50):
+                    await anyio.lowlevel.checkpoint()
+                assert not done.is_set()  # still waiting: the copy is held
+                gate.set()
+                with anyio.fail_after(60):  # a hang guard only
+                    await done.wait()
         finally:
             gate.set()
-        with anyio.fail_after(5):
-            await kv.wait_copies()
         assert (await kv.stats()).in_flight == 0
 
 

@@ -11,7 +11,8 @@ watermarks are fractions of the shard, the high one capped in blocks
 It asks only the shards (which ask nobody), so no ask cycle exists.
 
 Eviction here is pressure relief, not an error path: an allocation that finds
-too few free blocks also evicts on demand inside its shard.
+too few free blocks also evicts on demand inside its shard. The same
+:class:`~akv.actors.messages.Evict` message serves ``KVCacheManager.evict``.
 """
 
 from __future__ import annotations

@@ -57,6 +57,13 @@ class Inspect:
 
 
 @dataclass(frozen=True, slots=True)
+class InspectBlock:
+    """Reply a :class:`~akv.results.BlockInfo` snapshot of one block this shard owns (read-only)."""
+
+    block_id: int
+
+
+@dataclass(frozen=True, slots=True)
 class Room:
     """Reply ``(need, free, evictable)`` blocks for appending ``num_tokens`` to ``seq_id`` (see ``ShardState.room``)."""
 

@@ -32,13 +32,16 @@ from typing import Any
 
 import anyio
 
-from akv.actors.messages import Check, Evict, Inspect, Lookup, Room, Stats, Step, Validate
+from akv.actors.messages import Check, Evict, Inspect, InspectBlock, Lookup, Room, Stats, Step, Validate
 from akv.actors.runtime import Actor
+from akv.core.block_key import chain_keys_raw, chain_suffix
+from akv.core.block_pool import STATE_NAMES
 from akv.core.reservation import row_reserved
 from akv.core.shard_state import ShardCounters, ShardState
 from akv.core.step import StepOutcome, StepRequest
-from akv.errors import AkvError, PoolExhausted
+from akv.errors import AkvError, InvalidInput, PoolExhausted
 from akv.obs.tracing import AkvTracer
+from akv.results import BlockInfo
 from akv.storage.copy_ticket import loop_scheduler
 
 
@@ -143,6 +146,9 @@ class PoolShardActor(Actor):
         self.blocks_in_use = 0
         #: Unreserved free plus evictable (cached) blocks after the last message.
         self.blocks_available = state.pool.num_blocks
+        #: Copy batches whose pins were not released yet, after the last message
+        #: (``KVCacheManager.wait_copies`` settles the shards where it is not 0).
+        self.pinned_copies = 0
         self._room_event: anyio.Event | None = None  # made on demand: no waiter, no cost
         self._room_hint = False  # the message being served freed sequences or evicted blocks
         self._thread_id = threading.get_ident()  # the event loop's thread
@@ -176,7 +182,7 @@ class PoolShardActor(Actor):
             self._room_event = None
 
     def handle(self, msg: Any) -> Any:
-        """Serve :class:`Step`, :class:`Validate`, :class:`Evict`, :class:`Lookup`, :class:`Room`, :class:`Inspect`, :class:`Stats` or :class:`Check`.
+        """Serve :class:`Step`, :class:`Validate`, :class:`Evict`, :class:`Lookup`, :class:`Room`, :class:`Inspect`, :class:`InspectBlock`, :class:`Stats` or :class:`Check`.
 
         Synchronous (it never awaits), so the runtime may run it on an asking
         task when the shard is idle (see :mod:`akv.actors.runtime`).
@@ -216,6 +222,8 @@ class PoolShardActor(Actor):
             result = self.state.lookup(msg.namespace, msg.prompt)
         elif isinstance(msg, Inspect):
             result = self._inspect(msg.seq_id)
+        elif isinstance(msg, InspectBlock):
+            result = self._inspect_block(msg.block_id)
         elif isinstance(msg, Stats):
             result = self._stats()
         elif isinstance(msg, Check):
@@ -332,6 +340,7 @@ class PoolShardActor(Actor):
         self.num_free = free = pool.num_free - self.state.num_reserved
         self.free_fraction = pool.num_free / pool.num_blocks
         self.blocks_in_use = pool.num_active + pool.num_in_flight
+        self.pinned_copies = len(self._pinned)
         available = free + pool.num_cached
         if self._room_event is not None and (self._room_hint or available > self.blocks_available):
             self._wake_room()
@@ -358,6 +367,29 @@ class PoolShardActor(Actor):
             parent_id=seq.parent_id,
             max_tokens=max_tokens or None,
             reserved_blocks=row_reserved(tables, row, self.state.block_size),
+        )
+
+    def _inspect_block(self, block_id: int) -> BlockInfo:
+        """State, refcount and, for a published block, the content key computed from its chain in the tree."""
+        pool, block_size = self.state.pool, self.state.block_size
+        if type(block_id) is not int or not pool.owns(block_id):
+            raise InvalidInput(f"block {block_id!r} is not a block of shard {self.state.shard_index}")
+        key, depth, namespace = None, 0, None
+        tree = self.state.tree
+        if block_id in tree:
+            # Tree namespaces are (shard index, namespace) (ShardState.namespace_key); keys carry no shard.
+            (_, namespace), blocks = tree.chain(block_id)
+            depth = len(blocks)
+            key = chain_keys_raw(b"".join(blocks), block_size, chain_suffix(namespace))[-1]
+        return BlockInfo(
+            block_id=block_id,
+            shard=self.state.shard_index,
+            state=STATE_NAMES[pool.state(block_id)],
+            refcount=pool.refcount(block_id),
+            key=key,
+            depth=depth,
+            num_tokens_in_chain=depth * block_size,
+            namespace=namespace,
         )
 
     def _stats(self) -> ShardStats:

@@ -11,7 +11,13 @@ operations and no per-sequence Python work (the layout of vLLM v1's
 ``InputBatch``/``BlockTable``: ``vllm/v1/worker/block_table.py``). Rows are
 recycled through a free list and zeroed when handed out again (one row at a
 time, at admission, rather than every freed row in the freeing step), so the
-padding past a live row's length is always 0; a free row's contents are stale.
+padding past a live row's length is always the pad value; a free row's
+contents are stale.
+
+The pad value is the null block id (the manager's ``null_block_id``, which is
+``num_blocks``: one block past the usable ones, never allocated), vLLM's
+convention of padding block tables with a reserved null block: a kernel that
+reads or writes a padded entry touches only that block.
 """
 
 from __future__ import annotations
@@ -25,10 +31,13 @@ class BlockTables:
     Args:
         rows: Initial row capacity (sequences); doubles on demand.
         cols: Initial column capacity (blocks per sequence); doubles on demand.
+        pad: Block id of every entry past a row's length (the null block id;
+            0 by default, for standalone use).
 
     Attributes:
         array: int32 ``(row_capacity, col_capacity)``; row ``r`` holds one
-            sequence's block ids in logical order, 0-padded.
+            sequence's block ids in logical order, padded with ``pad``.
+        pad: The padding block id.
         lens: int64 ``(row_capacity,)`` blocks held by each row.
         num_tokens: int64 ``(row_capacity,)`` tokens in each row's history.
         num_computed: int64 ``(row_capacity,)`` tokens whose K/V the runner committed.
@@ -53,11 +62,13 @@ class BlockTables:
         "max_tokens",
         "num_computed",
         "num_tokens",
+        "pad",
         "shared_tail",
     )
 
-    def __init__(self, rows: int = 64, cols: int = 64) -> None:
-        self.array = np.zeros((rows, cols), dtype=np.int32)
+    def __init__(self, rows: int = 64, cols: int = 64, pad: int = 0) -> None:
+        self.pad = pad
+        self.array = np.full((rows, cols), pad, dtype=np.int32)
         self.lens = np.zeros(rows, dtype=np.int64)
         self.num_tokens = np.zeros(rows, dtype=np.int64)
         self.num_computed = np.zeros(rows, dtype=np.int64)
@@ -74,7 +85,7 @@ class BlockTables:
             row = self._free_rows.pop()
             n = int(self.lens[row])  # stale contents of a released row (see release_many)
             if n:
-                self.array[row, :n] = 0
+                self.array[row, :n] = self.pad
                 self.lens[row] = 0
             self.num_tokens[row] = 0
             self.num_computed[row] = 0
@@ -92,7 +103,7 @@ class BlockTables:
         """Recycle ``rows`` (distinct, live); return the block ids they held.
 
         The rows keep their stale contents until :meth:`new_row` hands them
-        out again and zeroes them (fewer array writes in a step that frees
+        out again and pads them (fewer array writes in a step that frees
         many sequences).
 
         Returns:
@@ -125,9 +136,9 @@ class BlockTables:
         return int(self.array[row, self.lens[row] - 1])
 
     def gather(self, rows: np.ndarray, width: int) -> np.ndarray:
-        """Padded block tables of ``rows``: int32 ``(len(rows), width)``, a new array."""
+        """Block tables of ``rows`` padded with :attr:`pad`: int32 ``(len(rows), width)``, a new array."""
         if width > self.array.shape[1]:
-            out = np.zeros((len(rows), width), dtype=np.int32)
+            out = np.full((len(rows), width), self.pad, dtype=np.int32)
             out[:, : self.array.shape[1]] = self.array[rows]
             return out
         return self.array[rows, :width]
@@ -138,7 +149,7 @@ class BlockTables:
             self._resize(self.array.shape[0], max(cols, 2 * self.array.shape[1]))
 
     def _resize(self, rows: int, cols: int) -> None:
-        grown = np.zeros((rows, cols), dtype=np.int32)
+        grown = np.full((rows, cols), self.pad, dtype=np.int32)
         r, c = self.array.shape
         grown[:r, :c] = self.array
         self.array = grown

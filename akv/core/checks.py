@@ -165,6 +165,22 @@ class ShardChecks:
                 f"{seqs} live rows have a reservation but num_reserved_seqs is {self.num_reserved_seqs}"
             )
 
+    def _check_null_block(self) -> None:
+        """Nothing points at the null block but padding: no shard owns it, no table or tree holds it."""
+        null, tables = self.null_block_id, self.tables
+        if self.pool.owns(null):
+            raise AssertionError(f"the null block {null} is one of the shard's blocks")
+        rows = np.array([seq.row for seq in self.sequences.values()], dtype=np.intp)
+        if len(rows):
+            entries = tables.array[rows]
+            held = np.arange(entries.shape[1]) < tables.lens[rows][:, None]
+            if (entries[held] == null).any():
+                raise AssertionError(f"a block table holds the null block {null}")
+            if (entries[~held] != null).any():
+                raise AssertionError(f"a block table is padded with something else than the null block {null}")
+        if null in self.tree:
+            raise AssertionError(f"the null block {null} is in the prefix cache")
+
     def check(self) -> None:
         """Full consistency check of the shard and its tree (O(blocks + tokens)).
 
@@ -176,6 +192,7 @@ class ShardChecks:
         self.check_counters()
         self.pool.check()
         self.tree.check()
+        self._check_null_block()
         bs = self.block_size
         refs: dict[int, int] = {}
         if self.rows != {sid: seq.row for sid, seq in self.sequences.items()}:

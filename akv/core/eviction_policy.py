@@ -111,12 +111,17 @@ class EvictionPolicy:
     key: KeyFunction
 
 
-#: Policies by name; ``KVCacheConfig`` defaults to ``"slru"`` (the core's ``BlockPool`` to ``"lru"``).
+#: Policies by name.
 EVICTION_POLICIES: dict[str, EvictionPolicy] = {
     "lru": EvictionPolicy("lru", lru_key),
     "lfu": EvictionPolicy("lfu", lfu_key),
     "slru": EvictionPolicy("slru", slru_key),
 }
+
+
+#: The default policy of ``KVCacheConfig`` and ``ShardState``: never-hit blocks go before hit ones
+#: (docs/benchmarks.md, "Eviction quality").
+DEFAULT_EVICTION_POLICY = "slru"
 
 
 def eviction_policy(policy: str | EvictionPolicy) -> EvictionPolicy:

@@ -284,6 +284,25 @@ class RadixTree:
         out.reverse()
         return out
 
+    def chain(self, block_id: int) -> tuple[Hashable, list[bytes]]:
+        """The namespace and per-block token bytes from the root down to ``block_id``; read-only.
+
+        O(depth). What a block's content key is computed from
+        (:func:`akv.core.block_key.chain_keys_raw`).
+
+        Returns:
+            ``(namespace, keys)``: the namespace the chain hangs under (as
+            passed to :meth:`insert`) and each block's token bytes (as
+            :func:`block_keys` cuts them), root first, ``block_id``'s last.
+
+        Raises:
+            KeyError: ``block_id`` is not in the tree.
+        """
+        path = self.path(block_id)
+        root = self._parent[path[0]]
+        namespace = next(ns for ns, node in self._roots.items() if node == root)
+        return namespace, [self._edge[b][_ID.size :] for b in path]
+
     def check(self) -> None:
         """Consistency check: edges, parents, child counts and the size agree.
 

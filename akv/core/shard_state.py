@@ -28,6 +28,7 @@ from akv.core.block_pool import BlockPool
 from akv.core.block_table import BlockTables
 from akv.core.checks import ShardChecks
 from akv.core.decode import ShardAppends
+from akv.core.eviction_policy import DEFAULT_EVICTION_POLICY
 from akv.core.publish import PendingPublish, ShardPublishing
 from akv.core.radix_tree import RadixTree, block_keys
 from akv.core.reservation import reserved_blocks
@@ -75,6 +76,9 @@ class ShardState(ShardChecks, ShardPublishing, ShardAppends, ShardRoom, ShardAdm
         block_size: Tokens per block.
         enable_prefix_cache: Publish committed full blocks and match prompts.
         eviction_policy: Eviction policy name, passed to :class:`BlockPool`.
+        null_block_id: The block id that pads block tables (never allocated,
+            owned by no shard: the manager passes ``config.null_block_id``);
+            default ``block_ids.stop``, right for a lone shard of ``range(0, n)``.
         tree: The prefix tree of this shard's blocks (default: a new, empty
             :class:`RadixTree`); the shard owns it from now on.
     """
@@ -86,16 +90,19 @@ class ShardState(ShardChecks, ShardPublishing, ShardAppends, ShardRoom, ShardAdm
         block_size: int,
         *,
         enable_prefix_cache: bool = True,
-        eviction_policy: str = "lru",
+        eviction_policy: str = DEFAULT_EVICTION_POLICY,
+        null_block_id: int | None = None,
         tree: RadixTree | None = None,
     ) -> None:
         self.shard_index = shard_index
+        #: Padding of block tables (see :mod:`akv.core.block_table`).
+        self.null_block_id = block_ids.stop if null_block_id is None else null_block_id
         #: The prefix cache index of this shard's published blocks.
         self.tree = RadixTree() if tree is None else tree
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
         self.pool = BlockPool(block_ids, policy=eviction_policy)
-        self.tables = BlockTables()
+        self.tables = BlockTables(pad=self.null_block_id)
         self.sequences: dict[Hashable, Sequence] = {}
         #: Sequence id -> its row in :attr:`tables` (for vectorized batch lookups).
         self.rows: dict[Hashable, int] = {}

@@ -122,8 +122,8 @@ class StepOutcome:
     Attributes:
         seq_ids: Scheduled sequences (successful appends, then admissions), in
             the order of the metadata rows.
-        block_tables: int32 ``(batch, max_blocks)`` padded with 0 beyond each
-            row's ``ceil(context_len / block_size)`` blocks.
+        block_tables: int32 ``(batch, max_blocks)`` padded with the null
+            block id beyond each row's ``ceil(context_len / block_size)`` blocks.
         context_lens: int32 ``(batch,)`` tokens per scheduled sequence after this step.
         query_start_loc: int32 ``(batch + 1,)`` offsets of each row's new tokens
             in ``slot_mapping`` (the flash-attention varlen convention).

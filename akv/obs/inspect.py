@@ -24,8 +24,8 @@ class LogFile:
 
     Attributes:
         events: Parsed events (dicts), in file order.
-        bad_lines: 1-based numbers of lines that are not a JSON object
-            (typically the last line of a crashed run).
+        bad_lines: 1-based numbers of lines that are not a JSON object with
+            a string ``event`` (typically the last line of a crashed run).
     """
 
     events: list[dict] = field(default_factory=list)
@@ -44,7 +44,7 @@ def read_log(path: Path | str) -> LogFile:
             except json.JSONDecodeError:
                 out.bad_lines.append(number)
                 continue
-            if isinstance(event, dict) and "event" in event:
+            if isinstance(event, dict) and isinstance(event.get("event"), str):
                 out.events.append(event)
             else:
                 out.bad_lines.append(number)
@@ -69,7 +69,7 @@ def summarize(log: LogFile) -> dict[str, Any]:
         "bad_lines": [...], "runs": [replay.finished / stress.finished events]}``.
     """
     names = Counter(e["event"] for e in log.events)
-    levels = Counter(e.get("level", e.get("log_level", "?")) for e in log.events)
+    levels = Counter(str(e.get("level", e.get("log_level", "?"))) for e in log.events)
     errors = [e for e in log.events if e.get("level", e.get("log_level")) in ("error", "critical")]
     runs = [e for e in log.events if e["event"] in ("replay.finished", "stress.finished")]
     return {
@@ -110,7 +110,7 @@ def eviction_bursts(log: LogFile, *, gap_s: float = BURST_GAP_S) -> list[dict[st
         b["end"] = e.get("timestamp")
         b["duration_s"] = round(t - b["t0"], 6) if t is not None and b["t0"] is not None else None
         b["batches"] += 1
-        b["blocks"] += int(e.get("blocks", 0))
+        b["blocks"] += e["blocks"] if isinstance(e.get("blocks"), int) else 0
         b["usage_after"] = e.get("usage_after")
         b["shards"].add(e.get("shard"))
         last_t = t

@@ -16,24 +16,43 @@ import structlog
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
-def configure_logging(*, level: str = "info", json: bool = False, json_path: Path | str | None = None) -> None:
+def _level(name: str) -> int:
+    try:
+        return _LEVELS[name.lower()]
+    except (KeyError, AttributeError):
+        raise ValueError(f"unknown log level {name!r}; use one of {', '.join(_LEVELS)}") from None
+
+
+def configure_logging(
+    *,
+    level: str = "info",
+    json: bool = False,
+    json_path: Path | str | None = None,
+    json_level: str = "info",
+) -> None:
     """Route structlog events through stdlib logging to stderr and optionally a JSON-lines file.
+
+    The two outputs have their own levels: a quiet console (``level="warning"``)
+    beside a debug file (``json_level="debug"``, what ``akv replay --log-json``
+    writes) is what ``akv inspect --seq`` needs. Events below both levels are
+    dropped at the call site by structlog's filtering logger, so they cost
+    nothing.
 
     Args:
         level: Console level name: ``debug``, ``info``, ``warning`` or ``error``.
         json: Render console lines as JSON instead of the human format.
-        json_path: Also write every event at ``info`` or above (or ``level``
-            if lower) as one JSON object per line to this file (truncated).
+        json_path: Also write every event at ``json_level`` or above as one
+            JSON object per line to this file (truncated).
+        json_level: Level name of the ``json_path`` file (default ``info``:
+            one line per batch of work; ``debug`` adds the per-sequence
+            events); ignored without ``json_path``.
 
     Raises:
         ValueError: Unknown level name.
     """
-    try:
-        console_level = _LEVELS[level.lower()]
-    except KeyError:
-        raise ValueError(f"unknown log level {level!r}; use one of {', '.join(_LEVELS)}") from None
-    file_level = min(console_level, logging.INFO)
-    min_level = file_level if json_path is not None else console_level
+    console_level = _level(level)
+    file_level = _level(json_level)
+    min_level = min(console_level, file_level) if json_path is not None else console_level
     shared = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,

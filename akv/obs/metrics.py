@@ -30,7 +30,7 @@ from prometheus_client.registry import Collector
 COUNTERS: dict[str, tuple[str, str]] = {
     "akv_blocks_allocated": ("blocks_allocated", "Blocks taken off the free queue."),
     "akv_blocks_freed": ("blocks_freed", "Blocks put back on the free queue (released or evicted)."),
-    "akv_evictions": ("blocks_evicted", "Cached blocks evicted from the prefix cache."),
+    "akv_blocks_evicted": ("blocks_evicted", "Cached blocks evicted from the prefix cache."),
     "akv_eviction_batches": ("eviction_batches", "Eviction passes that evicted at least one block."),
     "akv_prefix_cache_queries_tokens": (
         "prompt_tokens",
@@ -48,12 +48,12 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "resumed_cached_tokens",
         "Prompt tokens of re-admissions after preemption served from the prefix cache.",
     ),
-    "akv_cow_copies": ("cow_copies", "Copy-on-write block copies."),
-    "akv_forks": ("forks", "Child sequences created by forks."),
+    "akv_blocks_copied_on_write": ("cow_copies", "Copy-on-write block copies."),
+    "akv_sequences_forked": ("forks", "Child sequences created by forks."),
     "akv_sequences_added": ("sequences_added", "Sequences admitted (first admissions and re-admissions)."),
     "akv_sequences_freed": ("sequences_freed", "Sequences freed (finished or preempted)."),
-    "akv_preemptions": ("preemptions", "Sequences freed as preemptions by the scheduler."),
-    "akv_pool_exhausted": ("pool_exhausted", "Appends or admissions refused for lack of blocks."),
+    "akv_sequences_preempted": ("preemptions", "Sequences freed as preemptions by the scheduler."),
+    "akv_pool_exhausted_refusals": ("pool_exhausted", "Appends or admissions refused for lack of blocks."),
 }
 
 #: Bucket bounds of ``akv_step_latency_seconds`` and ``akv_eviction_batch_seconds`` (seconds).
@@ -104,7 +104,7 @@ class _SnapshotCollector(Collector):
         free = snap.blocks.get("free", 0)
         usage = 1.0 - free / snap.num_blocks if snap.num_blocks else 0.0
         yield GaugeMetricFamily("akv_pool_usage_ratio", "Fraction of blocks not free (0-1).", value=usage)
-        depth = GaugeMetricFamily("akv_actor_inbox_depth", "Messages waiting in an actor's inbox.", labels=["actor"])
+        depth = GaugeMetricFamily("akv_actor_inbox_messages", "Messages waiting in an actor's inbox.", labels=["actor"])
         for actor, n in sorted(snap.inbox_depths.items()):
             depth.add_metric([actor], n)
         yield depth

@@ -5,7 +5,9 @@ The simulated engine works like vLLM's scheduler (FCFS, recompute preemption):
 - Simulated time advances by ``step_ms`` per step and jumps to the next
   arrival when nothing runs. A request is admitted once it has arrived, in
   arrival order, while the batch has room and the pool can hold its prompt;
-  a request the pool can never hold is dropped and counted.
+  a request the pool can never hold is dropped and counted, and so is a
+  running sequence whose next token would need more blocks than a shard holds
+  (it is freed instead of retried forever).
 - A request's prefill runs in its admission step: it is admitted with
   ``prefill_done`` so its full prompt blocks are published to the prefix cache
   before the next request is admitted. The last prompt token is always
@@ -249,9 +251,13 @@ async def replay(
         rejected = result.rejected
         next_appends: dict[str, int] = {}
         finished: dict[str, None] = {}
+        too_large: list[str] = []  # sequences that outgrew a shard: dropped, never retried
         for seq_id, token in appends.items():
             if rejected and seq_id in rejected:
-                next_appends[seq_id] = token
+                if isinstance(rejected[seq_id], RequestTooLarge):
+                    too_large.append(seq_id)
+                else:
+                    next_appends[seq_id] = token
                 continue
             r = running[seq_id]
             r.generated += 1
@@ -291,6 +297,12 @@ async def replay(
         waiting.extendleft(reversed(requeue))
         appends = next_appends
 
+        for seq_id in too_large:
+            running.pop(seq_id)
+            order.remove(seq_id)
+            frees.append(seq_id)
+            report.requests_rejected += 1
+            done += 1
         short = sum(1 for s in rejected if s in appends and isinstance(rejected[s], PoolExhausted)) if rejected else 0
         while short > 0 and order:
             victim = order.pop()

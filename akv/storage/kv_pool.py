@@ -4,11 +4,19 @@ Layout (per layer), the one vLLM's PagedAttention (Kwon et al., SOSP 2023) and
 FlashAttention's paged-KV kernels (``flash_attn_with_kvcache`` with a
 ``block_table``) use::
 
-    # (2, num_blocks, block_size, num_kv_heads, head_dim), K then V
+    # (2, num_blocks + 1, block_size, num_kv_heads, head_dim), K then V
 
 One block id names the same ``(block_size, num_kv_heads, head_dim)`` slab in
 every layer, so a block table is shared by all layers. A slot is the flat token
 index ``block_id * block_size + offset`` (vLLM's ``slot_mapping``).
+
+Blocks ``0 .. num_blocks - 1`` are the usable ones; the extra last block,
+``null_block_id = num_blocks``, is the null block that pads block tables
+(vLLM pads with its null block 0). It is never allocated, so a model runner
+may write garbage into its slots (:meth:`KVStorage.write` accepts them) and a
+kernel may read it through padding; copies never touch it. It is the last
+rather than block 0 so that the usable ids, and every shard's range, stay
+``0 .. num_blocks - 1`` as before.
 
 No asyncio here; :class:`akv.storage.stream_worker.CopyExecutor` runs
 :meth:`KVStorage.copy_blocks` off the event loop.
@@ -89,7 +97,8 @@ class KVStorage:
     """Preallocated paged K/V tensors with batched write, copy and gather.
 
     Args:
-        num_blocks: Blocks in the pool (every layer).
+        num_blocks: Usable blocks in the pool (every layer); one more, the
+            null block, is allocated after them.
         block_size: Tokens per block.
         num_layers: Attention layers; one tensor each.
         num_kv_heads: Key/value heads per layer.
@@ -99,8 +108,9 @@ class KVStorage:
 
     Attributes:
         kv_caches: One tensor per layer,
-            ``(2, num_blocks, block_size, num_kv_heads, head_dim)``, K then V,
-            zero-initialised.
+            ``(2, num_blocks + 1, block_size, num_kv_heads, head_dim)``, K then
+            V, zero-initialised; block ``num_blocks`` is the null block.
+        null_block_id: ``num_blocks``: the block that pads block tables.
 
     Raises:
         InvalidInput: A size is not a positive int, the dtype or device is
@@ -138,18 +148,19 @@ class KVStorage:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise InvalidInput("device 'cuda' requested but CUDA is not available on this machine")
         self.num_blocks = num_blocks
+        self.null_block_id = num_blocks
         self.block_size = block_size
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
-        # each: (2, num_blocks, block_size, num_kv_heads, head_dim), K then V
+        shape = (2, num_blocks + 1, block_size, num_kv_heads, head_dim)
+        # each: (2, num_blocks + 1, block_size, num_kv_heads, head_dim), K then V; the last block is the null block
         try:
             self.kv_caches: list[torch.Tensor] = [
                 torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
             ]
         except RuntimeError as exc:  # includes torch.OutOfMemoryError
-            nbytes = num_layers * 2 * num_blocks * block_size * num_kv_heads * head_dim * dtype.itemsize
+            nbytes = num_layers * 2 * (num_blocks + 1) * block_size * num_kv_heads * head_dim * dtype.itemsize
             raise InvalidInput(f"cannot allocate the KV pool ({nbytes / 2**30:,.2f} GiB on {device}): {exc}") from None
 
     @classmethod
@@ -185,8 +196,13 @@ class KVStorage:
 
     @property
     def num_slots(self) -> int:
-        """Token slots in the pool (``num_blocks * block_size``)."""
+        """Token slots of the usable blocks (``num_blocks * block_size``); the null block's follow them."""
         return self.num_blocks * self.block_size
+
+    @property
+    def null_slots(self) -> range:
+        """The null block's slots (``num_slots .. num_slots + block_size - 1``), for padded tokens."""
+        return range(self.num_slots, self.num_slots + self.block_size)
 
     @property
     def bytes_per_block(self) -> int:
@@ -196,7 +212,7 @@ class KVStorage:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of all layers' tensors (``num_blocks * bytes_per_block``)."""
+        """Bytes of all layers' tensors (``(num_blocks + 1) * bytes_per_block``, the null block included)."""
         return sum(cache.nbytes for cache in self.kv_caches)
 
     # ----------------------------------------------------------------- write
@@ -219,7 +235,7 @@ class KVStorage:
             raise InvalidInput(f"slot_mapping must be a torch.Tensor, got {type(slot_mapping).__name__}")
         slots = _index_tensor(slot_mapping, "slot_mapping")
         if check_range:
-            _check_range(slots, self.num_slots, "slot_mapping")
+            _check_range(slots, self.num_slots + self.block_size, "slot_mapping")
         return slots.to(self.device, non_blocking=True)
 
     def write(
@@ -236,15 +252,16 @@ class KVStorage:
         vLLM ``reshape_and_cache`` semantics: token ``i`` goes to slot
         ``slot_mapping[i] = block_id * block_size + offset``. One vectorized
         ``index_copy_`` per K and V on the flat view
-        ``(2, num_blocks * block_size, num_kv_heads, head_dim)``; O(n) work,
+        ``(2, (num_blocks + 1) * block_size, num_kv_heads, head_dim)``; O(n) work,
         no Python loop over tokens. Unlike vLLM, negative (padding) slots are
-        rejected, not skipped. With duplicate slots, which token wins is
-        unspecified.
+        rejected, not skipped: pad with the null block's slots
+        (:attr:`null_slots`) instead, which no sequence reads. With duplicate
+        slots, which token wins is unspecified.
 
         Args:
             layer: Layer index in ``[0, num_layers)``.
             slot_mapping: ``(n,)`` int64 (int32 accepted), slots in
-                ``[0, num_blocks * block_size)``.
+                ``[0, (num_blocks + 1) * block_size)`` (the null block's included).
             key: ``(n, num_kv_heads, head_dim)``, cache dtype, cache device.
             value: Same shape, dtype and device as ``key``.
             check_range: Check slot bounds (a host sync when ``slot_mapping``
@@ -287,8 +304,8 @@ class KVStorage:
             self._scatter(layer, slots, keys[layer], values[layer])
 
     def _scatter(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        # flat: (2, num_blocks * block_size, num_kv_heads, head_dim), K then V
-        flat = _raw(self.kv_caches[layer]).view(2, self.num_slots, self.num_kv_heads, self.head_dim)
+        # flat: (2, (num_blocks + 1) * block_size, num_kv_heads, head_dim), K then V
+        flat = _raw(self.kv_caches[layer]).view(2, -1, self.num_kv_heads, self.head_dim)
         flat[0].index_copy_(0, slots, _raw(key))
         flat[1].index_copy_(0, slots, _raw(value))
 
@@ -297,7 +314,8 @@ class KVStorage:
         """Validate a copy batch and return it as two CPU int64 ``(m,)`` tensors.
 
         Raises:
-            InvalidInput: Lengths differ, an id is out of ``[0, num_blocks)``, a
+            InvalidInput: Lengths differ, an id is out of ``[0, num_blocks)``
+                (the null block is never copied), a
                 destination appears twice, or an id is both source and
                 destination within the batch.
         """
@@ -354,7 +372,7 @@ class KVStorage:
         if src.numel() == 0:
             return
         for cache in self.kv_caches:
-            raw = _raw(cache)  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+            raw = _raw(cache)  # (2, num_blocks + 1, block_size, num_kv_heads, head_dim)
             raw.index_copy_(1, dst, raw.index_select(1, src))
 
     # ---------------------------------------------------------------- gather

@@ -26,48 +26,117 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from akv.stress.metrics import Metrics
-from akv.stress.options import BACKENDS, StressOptions
+from akv.stress.options import BACKENDS, FAULTS, POLICIES, StressOptions
 from akv.stress.report import StressReport, print_summary
 from akv.stress.runner import run_stress
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _int_in(low: int, high: int) -> Callable[[str], int]:
+    """argparse type: an int in ``[low, high]`` (argparse turns the error into exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must lie in [{low}, {high:,}], got {value}")
+        return value
+
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
+def _float_in(low: float, high: float, *, low_open: bool = False) -> Callable[[str], float]:
+    """argparse type: a finite float in ``[low, high]`` (``(low, high]`` with ``low_open``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not (low < value if low_open else low <= value) or not value <= high:
+            raise argparse.ArgumentTypeError(f"must lie in {'(' if low_open else '['}{low}, {high}], got {text}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_in(1, 1_000_000)
+_seconds = _float_in(0.0, 86_400.0, low_open=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the stress options to ``parser``."""
-    parser.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
-    parser.add_argument("--duration-s", type=_positive_float, default=20.0, help="seconds to run (default 20)")
-    parser.add_argument("--sequences", type=_positive_int, default=256, help="concurrent tasks (default 256)")
+    parser.add_argument(
+        "--seed", type=_int_in(-(2**63), 2**63 - 1), default=0, help="seed of every random choice (default 0)"
+    )
+    parser.add_argument(
+        "--duration-s",
+        type=_seconds,
+        default=20.0,
+        help="seconds to run; an upper bound with --operations (default 20)",
+    )
+    parser.add_argument(
+        "--operations",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="end after N programs (requests) in all, whatever the time (default: run for --duration-s)",
+    )
+    parser.add_argument("--sequences", type=_int_in(1, 100_000), default=256, help="concurrent tasks (default 256)")
     parser.add_argument(
         "--num-blocks",
-        type=_positive_int,
+        type=_int_in(8, 10_000_000),
         default=None,
         help="pool blocks (default: 3.5 blocks of 16 tokens per task, so eviction never stops)",
     )
-    parser.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block (default 16)")
+    parser.add_argument("--block-size", type=_int_in(1, 4096), default=16, help="tokens per block (default 16)")
+    parser.add_argument("--shards", type=_int_in(1, 4), default=1, help="pool shards, 1-4 (default 1)")
+    parser.add_argument(
+        "--eviction-policy",
+        choices=POLICIES,
+        default="slru",
+        help="eviction policy; random picks one from the seed (default slru)",
+    )
+    parser.add_argument(
+        "--namespaces", type=_int_in(1, 16), default=3, help="tenants sharing the prompts, 1-16 (default 3)"
+    )
+    parser.add_argument(
+        "--audits",
+        type=_int_in(0, 1000),
+        default=3,
+        help="quiescent points that recount refcounts and check the prefix cache, besides the end (default 3)",
+    )
     parser.add_argument("--backend", choices=BACKENDS, default="asyncio", help="anyio event loop (default asyncio)")
     parser.add_argument("--json", type=Path, dest="json_path", help="write the JSON report to this path")
     parser.add_argument("--log-json", type=Path, help="write structured logs as JSON lines to this path")
-    parser.add_argument("--log-level", default="warning", help="console log level (default warning)")
+    parser.add_argument(
+        "--log-level", choices=("debug", "info", "warning", "error"), default="warning", help="console log level"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--inject-crash-after-s",
-        type=float,
+        type=_float_in(0.0, 86_400.0),
         default=None,
         metavar="X",
         help="make a pool shard raise after X s; every caller must fail fast and a fresh manager must work",
+    )
+    parser.add_argument(
+        "--fault",
+        choices=FAULTS,
+        default=None,
+        help="inject a fault: crash (shard 0), shard_exception (another shard, --shards >= 2), eviction_crash, "
+        "failing_copies, slow_copies (not fatal)",
+    )
+    parser.add_argument(
+        "--fault-after-s", type=_float_in(0.0, 86_400.0), default=1.0, help="seconds before the fault (default 1)"
+    )
+    parser.add_argument(
+        "--fault-after-programs",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="inject the fault once N programs have started (a count; overrides --fault-after-s)",
     )
 
 
@@ -101,6 +170,14 @@ def options_from_args(args: argparse.Namespace) -> StressOptions:
         backend=args.backend,
         progress=not args.no_progress,
         inject_crash_after_s=args.inject_crash_after_s,
+        operations=args.operations,
+        shards=args.shards,
+        eviction_policy=args.eviction_policy,
+        namespaces=args.namespaces,
+        audits=args.audits,
+        fault=args.fault,
+        fault_after_s=args.fault_after_s,
+        fault_after_programs=args.fault_after_programs,
     )
 
 

@@ -21,12 +21,15 @@ from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import torch
 
 from akv.core.step import Admit
 from akv.errors import PoolExhausted
 from akv.manager import KVCacheManager
+from akv.stress.audit import PublishRecord
+from akv.stress.gate import Gate
 from akv.stress.metrics import Metrics
 from akv.stress.oracle import KVOracle, extend_hashes
 
@@ -48,19 +51,39 @@ class SeqModel:
             task and committed, or served from the prefix cache.
     """
 
-    __slots__ = ("_chunks", "committed", "hashes", "seq_id", "tokens")
+    __slots__ = ("_chunks", "committed", "hashes", "namespace", "recorded_blocks", "seq_id", "tokens")
 
-    def __init__(self, seq_id: Hashable, tokens: list[int], hashes: list[int], committed: int = 0) -> None:
+    def __init__(
+        self,
+        seq_id: Hashable,
+        tokens: list[int],
+        hashes: list[int],
+        committed: int = 0,
+        *,
+        namespace: Hashable = None,
+        recorded_blocks: int = 0,
+    ) -> None:
         self.seq_id = seq_id
         self.tokens = tokens
         self.hashes = hashes
         self.committed = committed
+        #: Prefix-cache namespace (tenant) of the sequence.
+        self.namespace = namespace
+        #: Leading full blocks already in the :class:`~akv.stress.audit.PublishRecord`.
+        self.recorded_blocks = recorded_blocks
         # Expected K/V of the leading positions, (L, 2, n_i, H, D) chunks in order; computed once per token.
         self._chunks: list[torch.Tensor] = []
 
     def fork(self, child_id: Hashable) -> SeqModel:
         """The model of a child forked from this sequence now."""
-        child = SeqModel(child_id, list(self.tokens), list(self.hashes), self.committed)
+        child = SeqModel(
+            child_id,
+            list(self.tokens),
+            list(self.hashes),
+            self.committed,
+            namespace=self.namespace,
+            recorded_blocks=self.recorded_blocks,
+        )
         child._chunks = list(self._chunks)  # tensors are never modified in place: sharing is safe
         return child
 
@@ -92,6 +115,11 @@ class Client:
         name: Prefix of the sequence ids this client creates.
         deadline: ``anyio.current_time()`` after which programs wrap up early.
         call_timeout_s: Seconds after which a pending call raises ``TimeoutError``.
+        record: The run's record of committed prefixes (updated right before
+            each commit is sent; every admission's hit is checked against it).
+        namespaces: Tenants to admit prompts under (one picked per request).
+        gate: Closed while the harness audits a quiescent point; every call
+            waits for it to open before it is sent.
     """
 
     def __init__(
@@ -106,6 +134,9 @@ class Client:
         name: str,
         deadline: float = float("inf"),
         call_timeout_s: float = 30.0,
+        record: PublishRecord | None = None,
+        namespaces: tuple[Hashable, ...] = (None,),
+        gate: Gate | None = None,
     ) -> None:
         self.kv = kv
         self.oracle = oracle
@@ -117,6 +148,11 @@ class Client:
         self.deadline = deadline
         self.call_timeout_s = call_timeout_s
         self.block_size = kv.config.block_size
+        self.record = record if record is not None else PublishRecord(self.block_size)
+        self.namespaces = namespaces
+        self.gate = gate if gate is not None else Gate()
+        #: Ids freed from inside a cancelled scope: they must not be live any more.
+        self.freed_when_cancelled: set[Hashable] = set()
         #: Ids that may be live in the manager (cleanup frees them all).
         self.owned: set[Hashable] = set()
         self._ids = itertools.count()
@@ -130,8 +166,22 @@ class Client:
         return f"{self.name}-{tag}{next(self._ids)}"
 
     # --------------------------------------------------------------- calls
-    async def call(self, op: str, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
-        """Await ``fn(*args, **kwargs)``, timing it as operation ``op`` (also when it fails)."""
+    async def call(
+        self,
+        op: str,
+        fn: Callable[..., Awaitable[Any]],
+        *args: Any,
+        before: Callable[[], None] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Await ``fn(*args, **kwargs)``, timing it as operation ``op`` (also when it fails).
+
+        The call first waits while the audit gate is closed, then runs
+        ``before()`` (what must be recorded before the manager sees the call).
+        """
+        await self.gate.enter()
+        if before is not None:
+            before()
         token = next(_call_tokens)
         start = time.perf_counter()
         self.metrics.in_flight[token] = (op, start)
@@ -144,6 +194,7 @@ class Client:
         finally:
             del self.metrics.in_flight[token]
             self.metrics.record(op, time.perf_counter() - start)
+            self.gate.leave()
 
     async def retrying(self, what: str, attempt: Callable[[], Awaitable[Any]]) -> Any:
         """Run ``attempt`` until it does not raise ``PoolExhausted``; back off with jitter between tries.
@@ -188,40 +239,67 @@ class Client:
         """
         seq_id = self.new_id("s")
         self.owned.add(seq_id)
-        seq = SeqModel(seq_id, list(prompt), [])
+        ns = self.rng.choice(self.namespaces)
+        seq = SeqModel(seq_id, list(prompt), [], namespace=ns)
         extend_hashes(seq.hashes, prompt)
         arr = np.asarray(prompt, dtype=np.int32)
         if self.rng.random() < 0.5:
 
             async def attempt() -> tuple[int, torch.Tensor]:
-                result = await self.call("add", self.kv.step, admits=[Admit(seq_id=seq_id, prompt=arr)])
+                admit = Admit(seq_id=seq_id, prompt=arr, namespace=ns)
+                result = await self.call("add", self.kv.step, admits=[admit])
                 if seq_id in result.rejected:
                     raise result.rejected[seq_id]
                 return result.cached_tokens[seq_id], result.slot_mapping
 
             cached, slots = await self.retrying("add", attempt)
         else:
-            cached = await self.retrying("add", lambda: self.call("add_sequence", self.kv.add_sequence, seq_id, arr))
+            cached = await self.retrying(
+                "add", lambda: self.call("add_sequence", self.kv.add_sequence, seq_id, arr, namespace=ns)
+            )
             info = await self.call("sequence", self.kv.sequence, seq_id)
             bs = self.block_size
             table = torch.tensor(info.block_ids, dtype=torch.int64)
             pos = torch.arange(cached, len(prompt), dtype=torch.int64)
             slots = table[pos // bs] * bs + pos % bs
-        self._check_cached(seq_id, cached, len(prompt))
+        self._check_cached(seq, cached)
         seq.committed = cached
+        seq.recorded_blocks = cached // self.block_size
         n_write = len(prompt) - cached
         if write_fraction < 1.0:
             n_write = int(n_write * write_fraction)
-        self.write(seq, slots[:n_write], cached, cached + n_write)
+        if commit and n_write > 1 and self.rng.random() < 0.3:  # chunked prefill: commit in two parts
+            half = n_write // 2
+            self.write(seq, slots[:half], cached, cached + half)
+            await self.commit(seq, cached + half)
+            await self.lookup(seq.tokens, namespace=seq.namespace)  # no hit beyond what was committed
+            await anyio.lowlevel.checkpoint()  # others may admit the same prompt meanwhile
+            self.write(seq, slots[half:n_write], cached + half, cached + n_write)
+        else:
+            self.write(seq, slots[:n_write], cached, cached + n_write)
         if commit:
-            await self.call("commit", self.kv.commit, seq_id, len(prompt) - cached)
-            seq.committed = len(prompt)
+            await self.commit(seq, len(prompt))
         return seq
 
-    def _check_cached(self, seq_id: Hashable, cached: int, length: int) -> None:
-        bs = self.block_size
+    def _check_cached(self, seq: SeqModel, cached: int) -> None:
+        """An admission's hit: whole blocks, never the last token, and only a prefix some task committed."""
+        bs, length = self.block_size, len(seq.tokens)
         if cached % bs or cached > (length - 1) // bs * bs:
-            self.unexpected("cached_tokens", seq_id=seq_id, cached=cached, prompt_len=length)
+            self.unexpected("cached_tokens", seq_id=seq.seq_id, cached=cached, prompt_len=length)
+        elif not self.record.allows(seq.namespace, seq.tokens, cached):
+            self.unexpected("hit_never_committed", seq_id=seq.seq_id, namespace=seq.namespace, cached=cached)
+
+    async def commit(self, seq: SeqModel, upto: int) -> None:
+        """Commit ``seq`` up to ``upto`` tokens, recording its newly committed full blocks just before."""
+        full = upto // self.block_size
+
+        def record() -> None:
+            if full > seq.recorded_blocks:
+                self.record.add(seq.namespace, seq.tokens, seq.recorded_blocks, full)
+                seq.recorded_blocks = full
+
+        await self.call("commit", self.kv.commit, seq.seq_id, upto - seq.committed, before=record)
+        seq.committed = upto
 
     async def append(self, seq: SeqModel, tokens: list[int]) -> None:
         """Append tokens, wait for copy-on-write copies, write their K/V, commit.
@@ -235,8 +313,7 @@ class Client:
             await self.call("copy_wait", result.copies.wait)
         seq.extend(tokens)
         self.write(seq, result.slot_mapping, len(seq.tokens) - len(tokens), len(seq.tokens))
-        await self.call("commit", self.kv.commit, seq.seq_id, len(tokens))
-        seq.committed = len(seq.tokens)
+        await self.commit(seq, len(seq.tokens))
 
     async def fork(self, parent: SeqModel, n: int) -> list[SeqModel]:
         """Fork ``parent`` into ``n`` children (one step) and return their models."""
@@ -252,18 +329,56 @@ class Client:
         if not was_live:
             self.unexpected("free_of_live_sequence_returned_false", seq_id=seq.seq_id)
 
-    async def lookup(self, prompt: list[int]) -> None:
-        """A pure lookup (what a cache-aware router asks); checks its bounds."""
-        hit = await self.call("lookup", self.kv.lookup, prompt)
+    async def free_many(self, seqs: list[SeqModel]) -> None:
+        """Finish several sequences in one step (they may share blocks); each must have been live."""
+        ids = [s.seq_id for s in seqs]
+        result = await self.call("free_many", self.kv.step, frees=ids, want_metadata=False)
+        self.owned.difference_update(ids)
+        if set(result.freed) != set(ids):
+            self.unexpected("multi_free_missed", seq_ids=ids, freed=result.freed)
+
+    async def lookup(self, prompt: list[int], *, namespace: Hashable = ...) -> None:
+        """A pure lookup (what a cache-aware router asks); checks its bounds and the record.
+
+        Args:
+            prompt: Token ids.
+            namespace: The tenant to look up in (default: one at random).
+        """
+        ns = self.rng.choice(self.namespaces) if namespace is ... else namespace
+        hit = await self.call("lookup", self.kv.lookup, prompt, namespace=ns)
         if hit % self.block_size or hit > (len(prompt) - 1) // self.block_size * self.block_size:
             self.unexpected("lookup_bounds", hit=hit, prompt_len=len(prompt))
+        elif not self.record.allows(ns, prompt, hit):
+            self.unexpected("lookup_hit_never_committed", namespace=ns, hit=hit)
+
+    async def free_cancelled(self) -> None:
+        """From inside a cancelled scope: free every owned id with ``kv.free`` alone (akv shields it).
+
+        The harness adds no shield of its own but for the audit gate, so a
+        free that is not applied shows: :meth:`cleanup` then finds the id live.
+        """
+        with anyio.CancelScope(shield=True):
+            await self.gate.enter()
+        try:
+            for seq_id in list(self.owned):
+                self.freed_when_cancelled.add(seq_id)
+                if await self.kv.free(seq_id):
+                    self.metrics.frees_when_cancelled += 1
+        finally:
+            self.gate.leave()
 
     async def cleanup(self) -> None:
-        """Free every id this client may own (idempotent), shielded from cancellation."""
+        """Free every id this client may own (idempotent), shielded from cancellation.
+
+        An id freed from a cancelled scope before must be gone already.
+        """
         with anyio.CancelScope(shield=True):
             for seq_id in list(self.owned):
-                await self.call("free", self.kv.free, seq_id)
+                was_live = await self.call("free", self.kv.free, seq_id)
+                if was_live and seq_id in self.freed_when_cancelled:
+                    self.unexpected("free_in_cancelled_task_not_applied", seq_id=seq_id)
                 self.owned.discard(seq_id)
+            self.freed_when_cancelled.clear()
 
     # ---------------------------------------------------------- verifying
     async def verify(self, seq: SeqModel) -> None:

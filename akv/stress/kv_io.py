@@ -2,14 +2,18 @@
 
 Every K/V written is :class:`akv.stress.oracle.KVOracle`'s value for the
 sequence's exact token history, so a read through any block table can be
-checked against the tokens alone. The reported-case and cancellation tests
-use these; the concurrent harness uses :mod:`akv.stress.client`.
+checked against the tokens alone. The history is the client's own record
+(:func:`prefill`, :func:`fork` and :func:`append` keep it per manager), never
+what the manager reports, so a manager that loses or reorders tokens cannot
+make its own reads look right. The reported-case and cancellation tests use
+these; the concurrent harness uses :mod:`akv.stress.client`.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable, Sequence
+from weakref import WeakKeyDictionary
 
 import anyio
 import torch
@@ -19,8 +23,26 @@ from akv.manager import KVCacheManager
 from akv.results import StepResult
 from akv.stress.oracle import KVOracle, history_hashes
 
+#: Per manager: the token history each sequence was given, as its client recorded it.
+_histories: WeakKeyDictionary[KVCacheManager, dict[Hashable, list[int]]] = WeakKeyDictionary()
+
+
+def history(kv: KVCacheManager, seq_id: Hashable) -> list[int]:
+    """The client's record of ``seq_id``'s tokens (admitted by :func:`prefill`, forked by :func:`fork`).
+
+    Raises:
+        KeyError: The helpers of this module never admitted or forked ``seq_id``.
+    """
+    try:
+        return _histories[kv][seq_id]
+    except KeyError:
+        raise KeyError(
+            f"{seq_id!r}: no client record; admit it with kv_io.prefill and fork it with kv_io.fork"
+        ) from None
+
 
 def oracle_for(kv: KVCacheManager) -> KVOracle:
+    """The K/V oracle of ``kv``'s model shape."""
     shape = kv.config.model
     return KVOracle(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim)
 
@@ -39,27 +61,52 @@ async def prefill(kv: KVCacheManager, seq_id: Hashable, prompt: Sequence[int], *
     if seq_id in result.rejected:
         raise result.rejected[seq_id]
     cached = result.cached_tokens[seq_id]
+    _histories.setdefault(kv, {})[seq_id] = list(prompt)
     write(kv, result.slot_mapping, prompt, cached, len(prompt))
     if commit:
         await kv.commit(seq_id, len(prompt) - cached)
     return cached
 
 
+async def fork(kv: KVCacheManager, seq_id: Hashable, child_ids: Sequence[Hashable]) -> None:
+    """``kv.fork``, recording each child's history as a copy of the parent's."""
+    parent = history(kv, seq_id)
+    await kv.fork(seq_id, child_ids)
+    record = _histories[kv]
+    for child in child_ids:
+        record[child] = list(parent)
+
+
 async def append(kv: KVCacheManager, seq_id: Hashable, tokens: Sequence[int]) -> StepResult:
-    """Append, wait for the copy-on-write copies, write the new tokens' K/V, commit."""
-    result = await kv.append(seq_id, list(tokens))
+    """Append, wait for the copy-on-write copies, write the new tokens' K/V for the recorded history, commit.
+
+    Raises:
+        KeyError: No client record of ``seq_id`` (see :func:`history`).
+    """
+    tokens = list(tokens)
+    record = history(kv, seq_id)
+    result = await kv.append(seq_id, tokens)
+    record.extend(tokens)
     await result.copies.wait()
-    history = (await kv.sequence(seq_id)).token_ids
-    write(kv, result.slot_mapping, history, len(history) - len(tokens), len(history))
+    write(kv, result.slot_mapping, record, len(record) - len(tokens), len(record))
     await kv.commit(seq_id, len(tokens))
     return result
 
 
 async def reads_back(kv: KVCacheManager, seq_id: Hashable) -> bool:
-    """Whether every committed token of ``seq_id`` reads back its own history's K/V."""
+    """Whether every committed token of ``seq_id`` reads back its own history's K/V.
+
+    The history is the client's record when there is one (and the manager's
+    token ids must then equal it), else the manager's own.
+    """
     info = await kv.sequence(seq_id)
+    tokens = _histories.get(kv, {}).get(seq_id)
+    if tokens is None:
+        tokens = list(info.token_ids)
+    elif tuple(tokens) != info.token_ids:
+        return False
     n = info.num_computed
-    expected = oracle_for(kv).values(history_hashes(info.token_ids)[:n])
+    expected = oracle_for(kv).values(history_hashes(tokens)[:n])
     table = torch.tensor(info.block_ids, dtype=torch.int64)
     for layer in range(kv.storage.num_layers):
         key, value = kv.storage.gather(layer, table, n)
@@ -84,23 +131,26 @@ async def block_states(kv: KVCacheManager) -> tuple[int, int, int, int, int]:
 
 
 async def quiesce(kv: KVCacheManager, timeout_s: float = 5.0) -> None:
-    """Wait until pending copies ran and the eviction loop has nothing left to do.
+    """Wait until pending copies ran and the eviction loop has nothing left to do (no call in flight).
 
-    ``kv.check()`` compares a prefix-tree snapshot with the shards in two
-    messages, so it needs a point where no background eviction runs between
-    them. Quiet means: no message waiting in any inbox, the pool at or above
-    the low watermark (or nothing left to evict), and no change in block
-    states or eviction batches over 20 ms.
+    Quiet means: no message waiting in any inbox, every shard at or above
+    its low watermark or without cached blocks (only then does the eviction
+    loop rest; the pool as a whole is not enough, a full shard may sit beside
+    a cached one), and no change in block states or eviction batches over
+    20 ms. Reads the shards' published gauges (no message).
 
     Raises:
         TimeoutError: Not quiet within ``timeout_s``.
     """
-    low = sum(kv.config.watermark_blocks(len(r))[0] for r in kv.config.shard_ranges())
+
+    def evicting() -> bool:
+        return any(s.num_free < s.low_free_blocks and s.blocks_available > s.num_free for s in kv._shards)
+
     with anyio.fail_after(timeout_s):
         while True:
             await kv.wait_copies()
             s = await kv.stats()
-            if (s.cached == 0 or s.free >= low) and not any(kv.inbox_depths.values()):
+            if not evicting() and not any(kv.inbox_depths.values()):
                 await anyio.sleep(0.02)
                 s2 = await kv.stats()
                 if (s2.free, s2.cached, s2.eviction_loop_batches) == (s.free, s.cached, s.eviction_loop_batches):

@@ -24,6 +24,8 @@ class Metrics:
     #: Programs started per kind (``chat``, ``beam``, ``parallel``, ``abort``).
     programs: Counter = field(default_factory=Counter)
     cancellations: int = 0
+    #: Sequences freed (``kv.free``) from inside a cancelled scope.
+    frees_when_cancelled: int = 0
     aborts: int = 0
     retries: int = 0
     gave_up: int = 0

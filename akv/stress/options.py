@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 BACKENDS = ("asyncio", "uvloop", "trio")
+#: Eviction policies a run may use; ``random`` picks one from the seed.
+POLICIES = ("lru", "lfu", "slru", "random")
+#: Faults a run may inject (``--fault``); see :mod:`akv.stress.fault`.
+FAULTS = ("crash", "slow_copies", "failing_copies", "shard_exception", "eviction_crash")
+#: Faults after which the manager must have failed (every caller fails fast).
+FATAL_FAULTS = ("crash", "failing_copies", "shard_exception", "eviction_crash")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -25,7 +32,23 @@ class StressOptions:
         progress: Draw a progress bar on stderr when it is a terminal.
         inject_crash_after_s: Make the pool shard's handler raise once after
             this many seconds, then check that every caller fails fast and a
-            fresh manager works. ``None`` injects nothing.
+            fresh manager works. ``None`` injects nothing. The same as
+            ``fault="crash"`` with ``fault_after_s``.
+        operations: Programs (requests) the run starts in all; the run ends
+            when they have finished (``duration_s`` stays an upper bound).
+            ``None``: run for ``duration_s``.
+        shards: Pool shards (1-4).
+        eviction_policy: ``lru``, ``lfu``, ``slru`` or ``random`` (one of the
+            three, picked from ``seed``).
+        namespaces: Tenants sharing the prompts (namespace ``None`` plus
+            ``namespaces - 1`` others); 1 uses only ``None``.
+        audits: Quiescent points during the run at which every block's
+            refcount is recounted from the live block tables and the prefix
+            cache is compared with the harness's record (plus one at the end).
+        fault: Fault to inject (:data:`FAULTS`), or ``None``.
+        fault_after_s: Seconds into the run at which a timed fault fires.
+        fault_after_programs: Programs started before a fault fires (takes
+            precedence over ``fault_after_s``; a count, not a time).
         low_watermark: Free fraction that wakes the eviction loop (0.0-1.0).
         high_watermark: Free fraction the eviction loop refills to (0.0-1.0).
         eviction_batch_blocks: Blocks per eviction batch.
@@ -53,6 +76,14 @@ class StressOptions:
     max_retries: int = 40
     hang_timeout_s: float = 10.0
     fresh_manager_s: float = 1.0
+    operations: int | None = None
+    shards: int = 1
+    eviction_policy: str = "slru"
+    namespaces: int = 3
+    audits: int = 3
+    fault: str | None = None
+    fault_after_s: float = 1.0
+    fault_after_programs: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("sequences", "block_size", "eviction_batch_blocks", "max_retries"):
@@ -68,12 +99,51 @@ class StressOptions:
             raise ValueError(
                 f"inject_crash_after_s must lie in [0, duration_s={self.duration_s}), got {self.inject_crash_after_s!r}"
             )
+        self._check_counts()
+        if self.inject_crash_after_s is not None and self.fault not in (None, "crash"):
+            raise ValueError("inject_crash_after_s is fault 'crash'; do not combine it with another fault")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if not 0.0 <= self.low_watermark <= self.high_watermark <= 1.0:
             raise ValueError("watermarks must satisfy 0 <= low_watermark <= high_watermark <= 1")
         if not 0.0 <= self.cancel_probability <= 1.0:
             raise ValueError(f"cancel_probability must lie in [0, 1], got {self.cancel_probability!r}")
+
+    def _check_counts(self) -> None:
+        for name in ("operations", "fault_after_programs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if not isinstance(self.shards, int) or not 1 <= self.shards <= 4:
+            raise ValueError(f"shards must be an int in 1..4, got {self.shards!r}")
+        if not isinstance(self.namespaces, int) or not 1 <= self.namespaces <= 16:
+            raise ValueError(f"namespaces must be an int in 1..16, got {self.namespaces!r}")
+        if not isinstance(self.audits, int) or not 0 <= self.audits <= 1000:
+            raise ValueError(f"audits must be an int in 0..1000, got {self.audits!r}")
+        if self.eviction_policy not in POLICIES:
+            raise ValueError(f"eviction_policy must be one of {', '.join(POLICIES)}, got {self.eviction_policy!r}")
+        if self.fault is not None and self.fault not in FAULTS:
+            raise ValueError(f"fault must be one of {', '.join(FAULTS)}, got {self.fault!r}")
+        if self.fault == "shard_exception" and self.shards < 2:
+            raise ValueError("fault 'shard_exception' needs shards >= 2 (the other shards keep serving)")
+        if self.fault is not None and not 0 <= self.fault_after_s < self.duration_s:
+            raise ValueError(f"fault_after_s must lie in [0, duration_s={self.duration_s}), got {self.fault_after_s!r}")
+
+    @property
+    def fault_kind(self) -> str | None:
+        """The fault this run injects (``inject_crash_after_s`` is ``crash``)."""
+        return "crash" if self.inject_crash_after_s is not None else self.fault
+
+    @property
+    def fault_delay_s(self) -> float:
+        """Seconds into the run at which a timed fault fires."""
+        return self.inject_crash_after_s if self.inject_crash_after_s is not None else self.fault_after_s
+
+    def policy(self) -> str:
+        """The eviction policy of the run (``random`` resolved from the seed)."""
+        if self.eviction_policy != "random":
+            return self.eviction_policy
+        return ("lru", "lfu", "slru")[random.Random(f"akv-stress-policy-{self.seed}").randrange(3)]
 
     def pool_blocks(self) -> int:
         """Blocks in the pool: ``num_blocks``, or 3.5 blocks of 16 tokens per concurrent task.

@@ -2,7 +2,8 @@
 
 - ``chat``: admit a prompt, decode in bursts, verify at random points, finish.
 - ``beam``: beam search: each round forks every beam k ways, advances every
-  candidate with different tokens, verifies, and frees the worse half.
+  candidate with different tokens, verifies, and frees the worse half (often
+  in one step: several sequences sharing blocks freed together).
 - ``parallel``: parallel sampling: n > 1 forks right after the prompt, the
   samples decode concurrently (appends to a shared partial tail race), some
   finish early.
@@ -65,10 +66,18 @@ async def beam(c: Client, prompts: PromptSource) -> None:
             await c.append(s, fresh_tokens(rng, rng.randint(1, 2)))
         rng.shuffle(candidates)  # the scores
         beams, losers = candidates[:width], candidates[width:]
-        for s in losers:
-            await c.free(s)
+        await _free_all(c, losers)
     for s in beams:
         await c.verify(s)
+    await _free_all(c, beams)
+
+
+async def _free_all(c: Client, seqs: list[SeqModel]) -> None:
+    """Free ``seqs``: in one step (they share blocks) or one by one, at random."""
+    if len(seqs) > 1 and c.rng.random() < 0.6:
+        await c.free_many(seqs)
+        return
+    for s in seqs:
         await c.free(s)
 
 

@@ -11,11 +11,14 @@ from rich.table import Table
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FaultInjection:
-    """Outcome of ``--inject-crash-after-s``.
+    """Outcome of a fault injection (``--fault`` or ``--inject-crash-after-s``).
 
     Attributes:
-        injected: The actor actually raised.
-        actor: The actor made to raise.
+        kind: The fault (:data:`akv.stress.options.FAULTS`).
+        fatal: Whether the manager had to fail (every fault but ``slow_copies``);
+            the fields below ``actor`` apply to fatal faults only.
+        injected: The fault actually took effect.
+        actor: The component the fault hit.
         tasks: Tasks alive when it raised.
         tasks_failed_fast: Of those, tasks that got ``ActorCrashed`` or
             ``ManagerClosed`` within ``hang_timeout_s``.
@@ -25,6 +28,8 @@ class FaultInjection:
         fresh_manager_ok: A short program on a new manager passed every check.
     """
 
+    kind: str
+    fatal: bool
     injected: bool
     actor: str
     tasks: int
@@ -36,7 +41,9 @@ class FaultInjection:
 
     @property
     def ok(self) -> bool:
-        """Every caller failed fast, the exit raised, and a fresh manager works."""
+        """The fault took effect; if fatal: every caller failed fast, the exit raised, a fresh manager works."""
+        if not self.fatal:
+            return self.injected
         return (
             self.injected
             and self.tasks_hung == 0
@@ -50,12 +57,21 @@ class FaultInjection:
 class StressReport:
     """Numbers of one stress run (units: calls, blocks, tokens, seconds, microseconds).
 
-    ``leaked_blocks`` and ``leaked_sequences`` are ``None`` when the manager
-    failed before the final check could run.
+    ``leaked_blocks`` and ``leaked_sequences`` come from the final check or,
+    when the manager failed, from the post-mortem recount of the state it
+    left behind (:func:`akv.stress.audit.postmortem`); ``None`` only if
+    neither could run, which fails the run.
     """
 
     seed: int
     backend: str
+    shards: int
+    eviction_policy: str
+    namespaces: int
+    programs_budget: int | None
+    audits: int
+    audit_violations: int
+    probe_errors: list[str]
     duration_s: float
     sequences: int
     num_blocks: int
@@ -75,6 +91,7 @@ class StressReport:
     retries: int
     gave_up: int
     cancellations: int
+    frees_when_cancelled: int
     aborts: int
     verifications: int
     verified_tokens: int
@@ -100,18 +117,25 @@ class StressReport:
             out.append(f"{self.corrupted_reads} corrupted reads")
         if self.invariant_violations:
             out.append(f"{self.invariant_violations} invariant violations")
-        if self.fault_injection is None:
-            if self.leaked_blocks is None or self.leaked_sequences is None:
-                out.append("final check did not run")
-            else:
-                if self.leaked_blocks:
-                    out.append(f"{self.leaked_blocks} leaked blocks")
-                if self.leaked_sequences:
-                    out.append(f"{self.leaked_sequences} live sequences left")
-            if self.nonempty_inboxes:
-                out.append(f"inboxes not empty: {self.nonempty_inboxes}")
-        elif not self.fault_injection.ok:
-            out.append("fault injection: not every caller failed fast or the fresh manager failed")
+        if self.audit_violations:
+            out.append(f"{self.audit_violations} audit disagreements (refcounts, sequences or prefix cache)")
+        if self.probe_errors:
+            out.append(f"probes: {'; '.join(self.probe_errors)}")
+        if self.leaked_blocks is None or self.leaked_sequences is None:
+            out.append("neither the final check nor the post-mortem recount ran")
+        else:
+            if self.leaked_blocks:
+                out.append(f"{self.leaked_blocks} leaked blocks")
+            if self.leaked_sequences:
+                out.append(f"{self.leaked_sequences} live sequences no task owns")
+        fatal = self.fault_injection is not None and self.fault_injection.fatal
+        if self.nonempty_inboxes and not fatal:
+            out.append(f"inboxes not empty: {self.nonempty_inboxes}")
+        if self.fault_injection is not None and not self.fault_injection.ok:
+            out.append(
+                f"fault injection ({self.fault_injection.kind}): not injected, a caller did not fail fast, "
+                "the exit did not raise, or the fresh manager failed"
+            )
         if self.unexpected_errors:
             out.append(f"{self.unexpected_errors} unexpected errors")
         if self.hung_calls:
@@ -139,6 +163,7 @@ def print_summary(report: StressReport, console: Console | None = None) -> None:
     lat = report.latency_us
     rows = [
         ("sequences (tasks) / pool", f"{report.sequences} / {report.num_blocks:,} blocks x {report.block_size} tokens"),
+        ("shards / policy / namespaces", f"{report.shards} / {report.eviction_policy} / {report.namespaces}"),
         ("duration", f"{report.duration_s:,.1f} s"),
         ("operations (ops/s)", f"{report.operations:,} ({report.ops_per_s:,.0f}/s)"),
         ("programs", ", ".join(f"{k} {v:,}" for k, v in sorted(report.programs.items()))),
@@ -148,7 +173,10 @@ def print_summary(report: StressReport, console: Console | None = None) -> None:
             f"{report.evictions:,} ({report.eviction_batches:,}, {report.eviction_loop_batches:,})",
         ),
         ("pool exhausted / retries / gave up", f"{report.pool_exhausted:,} / {report.retries:,} / {report.gave_up:,}"),
-        ("cancellations / aborts", f"{report.cancellations:,} / {report.aborts:,}"),
+        (
+            "cancellations (frees from cancelled scopes) / aborts",
+            f"{report.cancellations:,} ({report.frees_when_cancelled:,}) / {report.aborts:,}",
+        ),
         ("verifications (tokens)", f"{report.verifications:,} ({report.verified_tokens:,})"),
         ("prefix hit rate", f"{report.prefix_hit_rate:.1%}"),
         ("append p50 / p99", _p(lat.get("append"))),
@@ -157,17 +185,18 @@ def print_summary(report: StressReport, console: Console | None = None) -> None:
         ("corrupted reads", f"{report.corrupted_reads}"),
         ("invariant violations", f"{report.invariant_violations}"),
         ("leaked blocks / sequences", f"{report.leaked_blocks} / {report.leaked_sequences}"),
+        ("audits (disagreements)", f"{report.audits} ({report.audit_violations})"),
         ("unexpected errors / hung calls", f"{report.unexpected_errors} / {report.hung_calls}"),
     ]
     if report.fault_injection is not None:
         fi = report.fault_injection
-        rows.append(
-            (
-                "fault injection",
-                f"{fi.tasks_failed_fast}/{fi.tasks} failed fast (max {fi.max_error_latency_s} s), "
-                f"exit raised {fi.aexit_raised}, fresh manager ok {fi.fresh_manager_ok}",
+        text = f"{fi.kind} on {fi.actor}, injected {fi.injected}"
+        if fi.fatal:
+            text += (
+                f"; {fi.tasks_failed_fast}/{fi.tasks} failed fast (max {fi.max_error_latency_s} s), "
+                f"exit raised {fi.aexit_raised}, fresh manager ok {fi.fresh_manager_ok}"
             )
-        )
+        rows.append(("fault injection", text))
     rows.append(("result", "OK" if report.ok else "FAILED: " + "; ".join(report.failures)))
     for name, value in rows:
         table.add_row(name, value)

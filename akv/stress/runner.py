@@ -11,11 +11,16 @@
    cancel scope that fires at a random await point, and frees every id it
    may own (shielded) after each program.
 3. Checks the end state: ``kv.check()``, no live sequence, every block free
-   or cached, nothing in flight, every inbox empty.
+   or cached, nothing in flight, every inbox empty, and a last audit
+   (:mod:`akv.stress.audit`: refcounts recounted from the block tables, the
+   prefix cache against the harness's record).
+4. Probes the eviction order of every policy and the leaves-only rule
+   (:mod:`akv.stress.probe`).
 
-With ``inject_crash_after_s`` a shard's handler raises once mid-run: every
-task must get an error within ``hang_timeout_s``, ``__aexit__`` must raise
-``ActorCrashed``, and a short run on a fresh manager must pass.
+With a fatal fault (:mod:`akv.stress.fault`) every task must get an error
+within ``hang_timeout_s``, ``__aexit__`` must raise ``ActorCrashed``, the
+state the manager left behind is recounted (:func:`~akv.stress.audit.postmortem`)
+for the leak figures, and a short run on a fresh manager must pass.
 """
 
 from __future__ import annotations
@@ -31,10 +36,12 @@ from akv.actors.runtime import current_event_loop
 from akv.config import MODEL_SHAPES, KVCacheConfig
 from akv.errors import ActorCrashed
 from akv.manager import KVCacheManager
-from akv.stress.fault import CrashInjector
+from akv.stress.audit import audit, postmortem
+from akv.stress.fault import FaultInjector
 from akv.stress.kv_io import quiesce
 from akv.stress.metrics import Metrics
 from akv.stress.options import StressOptions
+from akv.stress.probe import EXPECTED_ORDER, probe_eviction_order, probe_pending_hits, probe_pinned_child
 from akv.stress.report import FaultInjection, StressReport
 from akv.stress.session import Outcome, ProgressFn, Session
 
@@ -47,6 +54,8 @@ def stress_config(options: StressOptions) -> KVCacheConfig:
         model=MODEL_SHAPES["tiny"],
         storage="tensors",
         device="cpu",
+        num_shards=options.shards,
+        eviction_policy=options.policy(),
         low_watermark=options.low_watermark,
         high_watermark=options.high_watermark,
         eviction_batch_blocks=options.eviction_batch_blocks,
@@ -59,11 +68,10 @@ def current_backend() -> str:
     return current_event_loop()
 
 
-async def _final_check(kv: KVCacheManager, out: Outcome) -> None:
+async def _final_check(kv: KVCacheManager, out: Outcome, session: Session) -> None:
     await kv.wait_copies()
     try:
-        # kv.check() is only sound while no eviction batch runs between its tree
-        # snapshot and its shard check (a known race, see tests/test_stress.py).
+        # The leak figures and the audit need block states that no eviction batch changes meanwhile.
         await quiesce(kv, timeout_s=10.0)
     except TimeoutError:
         out.errors.append("the manager did not become quiet within 10 s after the tasks ended")
@@ -81,6 +89,15 @@ async def _final_check(kv: KVCacheManager, out: Outcome) -> None:
     out.leaked_blocks = stats.num_blocks - stats.free - stats.cached
     out.leaked_sequences = stats.num_sequences
     out.nonempty_inboxes = {name: depth for name, depth in kv.inbox_depths.items() if depth}
+    out.add_audit(await audit(kv, session.owned_ids(), session.record), "at the end")
+
+
+def _postmortem(kv: KVCacheManager, out: Outcome, session: Session) -> None:
+    """Leak figures of a failed manager from the state it left behind (never ``None``)."""
+    leaked_blocks, leaked_sequences, result = postmortem(kv, session.owned_ids())
+    out.leaked_blocks, out.leaked_sequences = leaked_blocks, leaked_sequences
+    out.invariant_violations += result.violations
+    out.errors.extend(f"post-mortem: {e}" for e in result.errors)
 
 
 async def run_manager(
@@ -89,7 +106,7 @@ async def run_manager(
     *,
     tasks: int,
     duration_s: float,
-    inject_after_s: float | None = None,
+    inject: bool = False,
     progress: ProgressFn | None = None,
     log: Any = None,
 ) -> Outcome:
@@ -97,13 +114,17 @@ async def run_manager(
     log = log or structlog.get_logger("akv.stress").bind(component="stress")
     out = Outcome()
     start = time.perf_counter()
+    kv = KVCacheManager(stress_config(options))
+    s: Session | None = None
     try:
-        async with KVCacheManager(stress_config(options)) as kv:
+        async with kv:
             s = Session(kv, options, metrics, out, log)
             async with anyio.create_task_group() as tg:
-                if inject_after_s is not None:
-                    out.injector = CrashInjector(kv, inject_after_s, on_fire=s.on_fault)
-                    tg.start_soon(out.injector.run)
+                kind = options.fault_kind
+                if inject and kind is not None:
+                    out.injector = FaultInjector(kv, kind, seed=options.seed, on_fire=s.on_fault)
+                    if options.fault_after_programs is None:
+                        tg.start_soon(out.injector.run_after, options.fault_delay_s)
                 tg.start_soon(s.monitor, start, progress)
                 deadline = anyio.current_time() + duration_s
                 with anyio.CancelScope() as workers:
@@ -114,7 +135,7 @@ async def run_manager(
                 tg.cancel_scope.cancel()
             out.eviction_wakeups = kv._eviction.stats.wakeups  # no public counter for wake-ups yet
             if metrics.manager_failed_at is None:
-                await _final_check(kv, out)
+                await _final_check(kv, out, s)
     except ActorCrashed as exc:
         out.aexit_raised = True
         if out.injector is None or out.injector.fired_at is None:
@@ -122,6 +143,8 @@ async def run_manager(
             if not out.errors:
                 out.errors.append(f"manager crashed: {exc!r}")
         log.warning("stress.manager_exit_raised", error=repr(exc))
+    if out.leaked_blocks is None and s is not None:
+        _postmortem(kv, out, s)
     return out
 
 
@@ -155,13 +178,17 @@ async def run_stress(options: StressOptions, *, progress: ProgressFn | None = No
         metrics,
         tasks=options.sequences,
         duration_s=options.duration_s,
-        inject_after_s=options.inject_crash_after_s,
+        inject=True,
         progress=progress,
         log=log,
     )
     elapsed = time.perf_counter() - start
+    for policy in EXPECTED_ORDER:
+        out.probe_errors.extend(await probe_eviction_order(policy))
+    out.probe_errors.extend(await probe_pinned_child())
+    out.probe_errors.extend(await probe_pending_hits())
     fault = None
-    if options.inject_crash_after_s is not None:
+    if options.fault_kind is not None:
         fault = await _fault_verdict(options, out, metrics, log)
     report = _build_report(options, backend, config, metrics, out, elapsed, fault)
     log.info(
@@ -181,10 +208,14 @@ async def run_stress(options: StressOptions, *, progress: ProgressFn | None = No
     return report
 
 
-async def _fault_verdict(options: StressOptions, out: Outcome, metrics: Metrics, log: Any) -> FaultInjection:
+async def _fresh_manager_ok(options: StressOptions, log: Any) -> bool:
+    """After a fatal fault: 32 programs on a fresh manager pass every check."""
     m_fresh = Metrics()
+    fresh_options = dataclasses.replace(
+        options, inject_crash_after_s=None, fault=None, fault_after_programs=None, operations=32, audits=1
+    )
     fresh = await run_manager(
-        dataclasses.replace(options, inject_crash_after_s=None),
+        fresh_options,
         m_fresh,
         tasks=min(16, options.sequences),
         duration_s=options.fresh_manager_s,
@@ -197,9 +228,17 @@ async def _fault_verdict(options: StressOptions, out: Outcome, metrics: Metrics,
     )
     if not fresh_ok:
         log.error("stress.fresh_manager_failed", errors=fresh.errors, corrupted_reads=m_fresh.corrupted_reads)
+    return fresh_ok
+
+
+async def _fault_verdict(options: StressOptions, out: Outcome, metrics: Metrics, log: Any) -> FaultInjection:
     inj = out.injector
+    fatal = inj is not None and inj.fatal
+    fresh_ok = await _fresh_manager_ok(options, log) if fatal else True
     latencies = metrics.error_latencies_s
     return FaultInjection(
+        kind=options.fault_kind,
+        fatal=fatal,
         injected=inj is not None and inj.fired_at is not None,
         actor=inj.actor if inj is not None else "",
         tasks=out.tasks_at_fault,
@@ -225,6 +264,13 @@ def _build_report(
     return StressReport(
         seed=options.seed,
         backend=backend,
+        shards=config.num_shards,
+        eviction_policy=config.eviction_policy,
+        namespaces=options.namespaces,
+        programs_budget=options.operations,
+        audits=out.audits,
+        audit_violations=out.audit_violations,
+        probe_errors=out.probe_errors,
         duration_s=round(elapsed, 3),
         sequences=options.sequences,
         num_blocks=config.num_blocks,
@@ -244,6 +290,7 @@ def _build_report(
         retries=metrics.retries,
         gave_up=metrics.gave_up,
         cancellations=metrics.cancellations,
+        frees_when_cancelled=metrics.frees_when_cancelled,
         aborts=metrics.aborts,
         verifications=metrics.verifications,
         verified_tokens=metrics.verified_tokens,

@@ -1,11 +1,14 @@
 """One manager's workload: the stress tasks, their shared state, and the monitor.
 
 A :class:`Session` runs ``N`` worker tasks (each loops random programs from
-:mod:`akv.stress.programs` until the deadline, some under a cancel scope that
-fires at a random await point, and frees everything it may own after each
-program, shielded) plus a monitor (progress, stats snapshots, hang detection,
-the fault-injection deadline). What the run ends with goes in an
-:class:`Outcome`; counters go in the shared :class:`~akv.stress.metrics.Metrics`.
+:mod:`akv.stress.programs` until the deadline or until the run's program
+budget is spent, some under a cancel scope that fires at a random await
+point and then frees from inside the cancelled scope, and frees everything it
+may own after each program, shielded) plus a monitor (progress, stats
+snapshots, hang detection). At random program counts one worker audits a
+quiescent point (:func:`akv.stress.audit.audit`). What the run ends with goes
+in an :class:`Outcome`; counters go in the shared
+:class:`~akv.stress.metrics.Metrics`.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ import anyio.lowlevel
 from akv.errors import ActorCrashed, AkvError, ManagerClosed
 from akv.manager import KVCacheManager
 from akv.results import CacheStats
+from akv.stress.audit import AuditResult, PublishRecord, audit
 from akv.stress.client import Client, GiveUp
-from akv.stress.fault import CrashInjector
+from akv.stress.fault import FaultInjector
+from akv.stress.gate import Gate
 from akv.stress.metrics import Metrics
 from akv.stress.options import StressOptions
 from akv.stress.oracle import KVOracle
@@ -40,7 +45,8 @@ MANAGER_DOWN = (ActorCrashed, ManagerClosed)
 class Outcome:
     """What one manager's run ended with (beyond the shared :class:`Metrics`).
 
-    ``leaked_*`` stay ``None`` when the final check could not run.
+    ``leaked_*`` stay ``None`` until the final check (or, after a fatal
+    fault, the post-mortem recount) has run.
     """
 
     last_stats: CacheStats | None = None
@@ -52,10 +58,19 @@ class Outcome:
     errors: list[str] = dataclasses.field(default_factory=list)
     aexit_raised: bool = False
     eviction_wakeups: int = 0
+    audits: int = 0
+    audit_violations: int = 0
+    probe_errors: list[str] = dataclasses.field(default_factory=list)
     # fault injection
-    injector: CrashInjector | None = None
+    injector: FaultInjector | None = None
     tasks_at_fault: int = 0
     tasks_hung: int = 0
+
+    def add_audit(self, result: AuditResult, label: str) -> None:
+        """Count one audit and what it found."""
+        self.audits += 1
+        self.audit_violations += result.violations
+        self.errors.extend(f"audit {label}: {e}" for e in result.errors[: max(0, 20 - len(self.errors))])
 
     @property
     def clean(self) -> bool:
@@ -66,6 +81,7 @@ class Outcome:
             and self.leaked_blocks == 0
             and self.leaked_sequences == 0
             and not self.nonempty_inboxes
+            and not self.audit_violations
         )
 
 
@@ -85,6 +101,14 @@ class Session:
             num_layers=cfg.model.num_layers, num_kv_heads=cfg.model.num_kv_heads, head_dim=cfg.model.head_dim
         )
         self.prompts = PromptSource(options.seed, cfg.block_size)
+        self.record = PublishRecord(cfg.block_size)
+        self.gate = Gate()
+        self.namespaces = tenant_namespaces(options.namespaces)
+        self.clients: list[Client] = []
+        self.programs_started = 0
+        rng = random.Random(f"akv-stress-audits-{options.seed}")
+        budget = options.operations
+        self.audit_at = set(rng.sample(range(1, budget), min(options.audits, budget - 1))) if budget else set()
         self.alive = 0
         self.errored: set[int] = set()
         self.hung_tokens: set[int] = set()
@@ -98,7 +122,7 @@ class Session:
         if m.manager_failed_at is None:
             m.manager_failed_at = now
             self.log.warning("stress.manager_failed", task=index, error=repr(exc))
-        fired = out.injector.fired_at if out.injector is not None else None
+        fired = out.injector.fired_at if out.injector is not None and out.injector.fatal else None
         if fired is not None:
             m.error_latencies_s.append(now - fired)
         elif not out.errors:
@@ -118,12 +142,16 @@ class Session:
             name=f"t{index}",
             deadline=deadline,
             call_timeout_s=self.options.hang_timeout_s * 1.5,
+            record=self.record,
+            namespaces=self.namespaces,
+            gate=self.gate,
         )
+        self.clients.append(client)
         names, weights = list(WEIGHTS), list(WEIGHTS.values())
         self.alive += 1
         try:
             async with anyio.create_task_group() as helpers:
-                while anyio.current_time() < deadline:
+                while anyio.current_time() < deadline and await self._next_program():
                     kind = rng.choices(names, weights)[0]
                     self.metrics.programs[kind] += 1
                     down = False
@@ -148,6 +176,39 @@ class Session:
         finally:
             self.alive -= 1
 
+    async def _next_program(self) -> bool:
+        """Take one program from the budget (auditing first when its number is due); False when spent."""
+        budget = self.options.operations
+        if budget is not None and self.programs_started >= budget:
+            return False
+        self.programs_started += 1
+        n = self.programs_started
+        injector, after = self.outcome.injector, self.options.fault_after_programs
+        if injector is not None and after is not None and n > after:
+            injector.arm()
+        if n in self.audit_at:
+            await self.audit_point(f"at program {n}")
+        return True
+
+    def owned_ids(self) -> set:
+        """Every id some task may own now."""
+        return set().union(*(c.owned for c in self.clients))
+
+    async def audit_point(self, label: str) -> None:
+        """Hold every call, audit the quiescent manager against the harness's own records, release."""
+        await self.gate.drain()
+        try:
+            result = await audit(self.kv, self.owned_ids(), self.record)
+        except TimeoutError:
+            result = AuditResult()
+            result.refcount_mismatches = 1
+            result.note("the manager did not become quiet within 30 s")
+        finally:
+            self.gate.open()
+        self.outcome.add_audit(result, label)
+        if result.violations:
+            self.log.error("stress.audit_failed", label=label, errors=result.errors)
+
     async def _cleanup(self, client: Client, index: int) -> bool:
         """Free everything the client may own; False if the manager is down."""
         try:
@@ -169,7 +230,11 @@ class Session:
         else:
             helpers.start_soon(cancel_after_checkpoints, scope, rng.randint(1, 80))
         with scope:
-            await program(client, self.prompts)
+            try:
+                await program(client, self.prompts)
+            finally:
+                if scope.cancel_called:  # free from the cancelled task itself, as a request handler would
+                    await client.free_cancelled()
         if scope.cancelled_caught:
             self.metrics.cancellations += 1
 
@@ -178,6 +243,10 @@ class Session:
         """Progress, stats snapshots, hang detection, and the fault-injection deadline."""
         m, out, opts = self.metrics, self.outcome, self.options
         tick = 0
+        # A run by time audits at evenly spaced times (a run by count: at random program numbers).
+        audit_times = [opts.duration_s * (i + 1) / (opts.audits + 1) for i in range(opts.audits)]
+        if opts.operations is not None:
+            audit_times = []
         while True:
             await anyio.sleep(0.25)
             tick += 1
@@ -189,11 +258,15 @@ class Session:
                     self.hung_tokens.add(token)
                     m.hung_calls += 1
                     self.log.error("stress.hung_call", op=op, pending_s=round(now - began, 3))
-            fired = out.injector.fired_at if out.injector is not None else None
+            fired = out.injector.fired_at if out.injector is not None and out.injector.fatal else None
             if fired is not None and now - fired > opts.hang_timeout_s and self.alive and self.workers is not None:
                 out.tasks_hung = self.alive
                 self.log.error("stress.tasks_hung_after_fault", tasks=self.alive)
                 self.workers.cancel()
+            if audit_times and now - start >= audit_times[0] and fired is None and m.manager_failed_at is None:
+                audit_times.pop(0)
+                with contextlib.suppress(*MANAGER_DOWN):
+                    await self.audit_point(f"at {now - start:.1f} s")
             if tick % 4 == 0 and fired is None and m.manager_failed_at is None:
                 with contextlib.suppress(*MANAGER_DOWN):
                     out.last_stats = await self.kv.stats()
@@ -215,3 +288,9 @@ async def cancel_after_checkpoints(scope: anyio.CancelScope, k: int) -> None:
     for _ in range(k):
         await anyio.lowlevel.checkpoint()
     scope.cancel()
+
+
+def tenant_namespaces(n: int) -> tuple:
+    """``n`` prefix-cache namespaces of every plain-value kind: ``None``, ``str``, ``int``, ``bytes``, tuples."""
+    kinds = (lambda i: f"tenant-{i}", lambda i: ("lora", i), lambda i: i, lambda i: f"t{i}".encode())
+    return (None, *(kinds[i % len(kinds)](i) for i in range(1, n)))

@@ -209,7 +209,7 @@ class ShardStateMachine(ShardMachineBase):
         assert out.seq_ids == sids
         tables = [self.shard.sequences[sid].block_ids.tolist() for sid in sids]
         width = max(len(t) for t in tables)
-        assert out.block_tables.tolist() == [t + [0] * (width - len(t)) for t in tables]
+        assert out.block_tables.tolist() == [t + [self.shard.null_block_id] * (width - len(t)) for t in tables]
         assert out.context_lens.tolist() == [p + 1 for p in starts]
         assert out.query_start_loc.tolist() == list(range(len(sids) + 1))
         assert out.slot_mapping.tolist() == [t[p // bs] * bs + p % bs for t, p in zip(tables, starts)]

@@ -24,6 +24,7 @@ from akv.errors import InvalidInput, TraceError
 
 __all__ = [
     "MAX_HASH_ID",
+    "MAX_REQUEST_TOKENS",
     "TraceRequest",
     "default_trace_path",
     "read_trace",
@@ -34,6 +35,12 @@ __all__ = [
 #: of the 64-bit domain is reserved for generated-token streams, see
 #: :mod:`akv.trace.tokens`).
 MAX_HASH_ID = (1 << 63) - 1
+
+#: Default largest ``input_length + output_length`` of one request (tokens):
+#: 1,048,576, above the longest context of today's models. A record above the
+#: limit is a trace error, raised before any token is synthesized (a record of
+#: ``10**12`` output tokens would otherwise ask numpy for 3.64 TiB).
+MAX_REQUEST_TOKENS = 1 << 20
 
 _GZIP_MAGIC = b"\x1f\x8b"
 _DEFAULT_SLICE = "mooncake_conversation_head.jsonl.gz"
@@ -68,6 +75,7 @@ def read_trace(
     *,
     limit: int | None = None,
     trace_block_tokens: int = 512,
+    max_request_tokens: int = MAX_REQUEST_TOKENS,
 ) -> list[TraceRequest]:
     """Read and validate a Mooncake JSONL trace.
 
@@ -80,6 +88,8 @@ def read_trace(
         limit: Stop after this many records (``None``: read all). Lines after
             the limit are neither read nor validated.
         trace_block_tokens: Tokens per hash id in the trace (512 for Mooncake).
+        max_request_tokens: Largest accepted ``input_length + output_length``
+            of one record, in tokens (default :data:`MAX_REQUEST_TOKENS`).
 
     Returns:
         The records in file order, ``index`` 0, 1, 2, ...
@@ -89,16 +99,20 @@ def read_trace(
             or a record is malformed (``line`` is its 1-based line number): not
             a JSON object, a missing key, a non-integer value (booleans and
             floats are rejected), a negative timestamp, ``input_length < 1``,
-            ``output_length < 1``, a hash id outside ``[0, 2**63)``, or a
+            ``output_length < 1``, ``input_length + output_length >
+            max_request_tokens``, a hash id outside ``[0, 2**63)``, or a
             ``hash_ids`` list whose length is not
             ``ceil(input_length / trace_block_tokens)``. A truncated last line
             (no trailing newline, invalid JSON) is reported as such.
-        InvalidInput: ``limit`` is negative or ``trace_block_tokens < 1``.
+        InvalidInput: ``limit`` is negative, or ``trace_block_tokens`` or
+            ``max_request_tokens`` is below 1.
     """
     if limit is not None and (_not_int(limit) or limit < 0):
         raise InvalidInput(f"limit must be None or an int >= 0, got {limit!r}")
     if _not_int(trace_block_tokens) or trace_block_tokens < 1:
         raise InvalidInput(f"trace_block_tokens must be an int >= 1, got {trace_block_tokens!r}")
+    if _not_int(max_request_tokens) or max_request_tokens < 1:
+        raise InvalidInput(f"max_request_tokens must be an int >= 1, got {max_request_tokens!r}")
     out: list[TraceRequest] = []
     try:
         with open(path, "rb") as raw_file:
@@ -112,7 +126,16 @@ def read_trace(
                     if not raw.strip():
                         continue
                     obj = _parse(path, line_no, raw)
-                    out.append(_validate(path, line_no, len(out), obj, trace_block_tokens))
+                    request = _validate(path, line_no, len(out), obj, trace_block_tokens)
+                    if request.input_length + request.output_length > max_request_tokens:
+                        raise TraceError(
+                            path,
+                            line_no,
+                            f"input_length + output_length = {request.input_length + request.output_length:,} "
+                            f"tokens exceeds the limit of {max_request_tokens:,} per request "
+                            "(max_request_tokens; akv replay --max-request-tokens)",
+                        )
+                    out.append(request)
     except TraceError:
         raise
     except FileNotFoundError as e:

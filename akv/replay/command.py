@@ -1,0 +1,264 @@
+"""The ``akv replay`` command: its options, the pool they describe, the run and its outputs.
+
+Wiring (in :mod:`akv.cli`): :func:`register` adds the sub-command and
+:func:`main_replay` runs it. Every option is range-checked while parsing
+(:mod:`akv.argtypes`); a trace record above ``--max-request-tokens`` is a
+trace error before anything is allocated; a replay that could do nothing (an
+empty trace, every request larger than a shard) raises
+:class:`~akv.argtypes.UsageError` (exit 2) saying what to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+
+import anyio
+
+from akv.argtypes import UsageError, float_range, int_range, log_level, output_path, png_path
+from akv.config import MODEL_SHAPES, KVCacheConfig, model_shape
+from akv.trace import MAX_REQUEST_TOKENS, TraceRequest
+
+__all__ = ["MAX_BLOCK_SIZE", "MAX_NUM_BLOCKS", "MAX_SHARDS", "main_replay", "register"]
+
+#: Largest ``--num-blocks`` (also after ``--pool-gib``): about 40 bytes of metadata a block, 2.7 GB at this size.
+MAX_NUM_BLOCKS = 1 << 26
+#: Largest ``--shards`` (one actor each).
+MAX_SHARDS = 1024
+#: Largest ``--block-size`` (tokens per block).
+MAX_BLOCK_SIZE = 1 << 16
+
+
+def _add_logging_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-json", type=output_path, help="write structured logs as JSON lines to this path")
+    parser.add_argument(
+        "--log-level", type=log_level, default="warning", help="console log level only (default warning)"
+    )
+    parser.add_argument(
+        "--log-json-level", type=log_level, default="debug", help="level of the --log-json file (default debug)"
+    )
+
+
+def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``replay`` sub-command to ``akv``'s sub-parsers.
+
+    Returns:
+        The new sub-parser (its ``command`` is ``"replay"``).
+    """
+    rp = sub.add_parser(
+        "replay",
+        help="replay a Mooncake request trace through the KV cache manager",
+        description=(
+            "Replay a Mooncake JSONL request trace through a continuous-batching scheduler "
+            "driving a KVCacheManager. With no TRACE, replays the first 3,000 requests of the "
+            "Mooncake conversation trace shipped inside the package."
+        ),
+    )
+    rp.add_argument("trace", nargs="?", type=Path, help="Mooncake JSONL trace (.jsonl or .jsonl.gz)")
+    rp.add_argument("--limit", type=int_range(1), help="replay only the first N requests")
+    rp.add_argument(
+        "--block-size",
+        type=int_range(1, MAX_BLOCK_SIZE),
+        default=16,
+        help=f"tokens per block, 1 to {MAX_BLOCK_SIZE:,} (default 16)",
+    )
+    size = rp.add_mutually_exclusive_group()
+    size.add_argument(
+        "--num-blocks", type=int_range(1, MAX_NUM_BLOCKS), help=f"blocks in the pool, 1 to {MAX_NUM_BLOCKS:,}"
+    )
+    size.add_argument(
+        "--pool-gib", type=float_range(0.0, None, min_open=True), help="pool size in GiB (blocks = GiB / block bytes)"
+    )
+    rp.add_argument(
+        "--model",
+        default="tiny",
+        choices=sorted(MODEL_SHAPES),
+        help="attention shape preset (default tiny: real CPU tensors; real shapes suit --storage none)",
+    )
+    rp.add_argument(
+        "--storage",
+        choices=("none", "cpu", "cuda"),
+        default=None,
+        help="where K/V tensors live: none = metadata only (default: cpu for tiny, none otherwise)",
+    )
+    rp.add_argument("--max-batch", type=int_range(1), default=256, help="running sequences at most (default 256)")
+    rp.add_argument(
+        "--step-ms",
+        type=float_range(0.0, None, min_open=True),
+        default=20.0,
+        help="simulated ms per decode step (default 20)",
+    )
+    rp.add_argument(
+        "--max-output-tokens", type=int_range(1, MAX_REQUEST_TOKENS), help="cap each request's output length"
+    )
+    rp.add_argument(
+        "--max-request-tokens",
+        type=int_range(1, 1 << 31),
+        default=MAX_REQUEST_TOKENS,
+        help=f"a trace record with more input + output tokens is a trace error (default {MAX_REQUEST_TOKENS:,})",
+    )
+    rp.add_argument(
+        "--shards", type=int_range(1, MAX_SHARDS), default=1, help=f"pool shards, 1 to {MAX_SHARDS:,} (default 1)"
+    )
+    rp.add_argument(
+        "--seed", type=int_range(0, (1 << 64) - 1), default=0, help="seed of the synthesized token ids (default 0)"
+    )
+    rp.add_argument("--json", type=output_path, dest="json_path", help="write the report as JSON to this path")
+    _add_logging_options(rp)
+    rp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    rp.add_argument(
+        "--metrics-out", type=output_path, help="write the final metrics in the Prometheus text format to this path"
+    )
+    rp.add_argument(
+        "--metrics-port",
+        type=int_range(0, 65535),
+        help="serve the metrics on http://ADDR:PORT/metrics during the run (0: any free port, printed)",
+    )
+    rp.add_argument("--metrics-addr", default="127.0.0.1", help="address of --metrics-port (default 127.0.0.1)")
+    rp.add_argument(
+        "--plot", type=png_path, help="write a PNG: pool by state, hit rate, evictions, preemptions (needs matplotlib)"
+    )
+    return rp
+
+
+def _replay_config(args: argparse.Namespace) -> KVCacheConfig:
+    shape = model_shape(args.model)
+    storage = args.storage or ("cpu" if args.model == "tiny" else "none")
+    block_bytes = shape.bytes_per_block(args.block_size)
+    if args.num_blocks is not None:
+        num_blocks = args.num_blocks
+    elif args.pool_gib is not None:
+        num_blocks = int(args.pool_gib * 2**30 // block_bytes)
+        if not 1 <= num_blocks <= MAX_NUM_BLOCKS:
+            raise UsageError(
+                f"--pool-gib {args.pool_gib:g} holds {num_blocks:,} blocks of {block_bytes:,} bytes; "
+                f"it must hold 1 to {MAX_NUM_BLOCKS:,}"
+            )
+    else:
+        num_blocks = 32_768 if storage != "none" or args.model == "tiny" else int(64 * 2**30 // block_bytes)
+    if storage == "cpu":
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if num_blocks * block_bytes > memory // 2:
+            raise UsageError(
+                f"a pool of {num_blocks:,} blocks x {block_bytes:,} bytes ({num_blocks * block_bytes / 2**30:,.1f} GiB) "
+                f"of CPU tensors exceeds half of this machine's memory ({memory / 2**30:,.1f} GiB); "
+                "pass a smaller --num-blocks or --pool-gib, or --storage none to simulate without tensors"
+            )
+    if args.shards > num_blocks:
+        raise UsageError(f"--shards {args.shards:,} exceeds the {num_blocks:,} blocks of the pool")
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        block_size=args.block_size,
+        model=shape,
+        storage="none" if storage == "none" else "tensors",
+        device=storage if storage != "none" else "cpu",
+        num_shards=args.shards,
+    )
+
+
+def _too_large_hint(config: KVCacheConfig) -> str:
+    shard_blocks = config.num_blocks // config.num_shards
+    return (
+        f"a shard holds {shard_blocks:,} blocks of {config.block_size} tokens "
+        f"({config.num_blocks:,} blocks / {config.num_shards:,} shards); "
+        "pass a larger --num-blocks or --pool-gib, or fewer --shards"
+    )
+
+
+def _check_requests(requests: list[TraceRequest], path: Path, config: KVCacheConfig) -> None:
+    """Refuse, before anything is allocated, a replay that could do nothing."""
+    if not requests:
+        raise UsageError(f"{path}: the trace holds no request; nothing to replay")
+    shard_blocks = config.num_blocks // config.num_shards
+    smallest = min(-(-r.input_length // config.block_size) for r in requests)
+    if smallest > shard_blocks:
+        raise UsageError(
+            f"every one of the {len(requests):,} requests would be dropped: the smallest prompt needs "
+            f"{smallest:,} blocks but {_too_large_hint(config)}"
+        )
+
+
+def _serve_metrics(kv: object, args: argparse.Namespace) -> ExitStack:
+    """Start the ``--metrics-port`` server (if asked) and say where it listens."""
+    from akv.obs.export import serve_metrics
+
+    stack = ExitStack()
+    if args.metrics_port is None:
+        return stack
+    try:
+        port = stack.enter_context(serve_metrics(kv.metrics_registry, args.metrics_port, addr=args.metrics_addr))
+    except OSError as exc:
+        raise UsageError(f"cannot serve metrics on {args.metrics_addr}:{args.metrics_port}: {exc}") from None
+    print(f"akv: serving metrics on http://{args.metrics_addr}:{port}/metrics", file=sys.stderr)
+    return stack
+
+
+def main_replay(args: argparse.Namespace) -> int:
+    """Run ``akv replay`` from parsed options; print the summary; return the exit code (0).
+
+    Raises:
+        TraceError: The trace is missing or a record is malformed (exit 2).
+        UsageError: The options describe no usable pool, or the replay could do
+            nothing: an empty trace, every request larger than a shard (exit 2).
+        InvalidInput: The configuration is refused (exit 2).
+    """
+    from akv.manager import KVCacheManager
+    from akv.obs.export import write_metrics
+    from akv.replay import ReplayOptions, replay
+    from akv.replay.report import print_summary, progress_bar
+    from akv.trace import default_trace_path, read_trace
+
+    path = args.trace or default_trace_path()
+    requests = read_trace(path, limit=args.limit, max_request_tokens=args.max_request_tokens)
+    config = _replay_config(args)
+    _check_requests(requests, path, config)
+    options = ReplayOptions(
+        max_batch=args.max_batch,
+        step_ms=args.step_ms,
+        max_output_tokens=args.max_output_tokens,
+        seed=args.seed,
+        want_metadata=config.storage != "none",
+        timeline_every_steps=10 if args.plot is not None else 0,
+    )
+    kv = KVCacheManager(config)
+
+    async def run() -> object:
+        async with kv:
+            with progress_bar(len(requests), enabled=not args.no_progress) as progress:
+                return await replay(kv, requests, options, progress=progress)
+
+    with _serve_metrics(kv, args):
+        report = anyio.run(run)
+    if args.metrics_out is not None:
+        write_metrics(kv.metrics_registry, args.metrics_out)
+    if args.plot is not None:
+        from akv.obs.plot import plot_replay
+
+        plot_replay(report.timeline, args.plot)
+    print_summary(report, config, path)
+    if args.json_path is not None:
+        data = report.as_json()
+        data.update(
+            trace=str(path),
+            model=config.model.name,
+            storage=config.storage,
+            pool_bytes=config.pool_bytes,
+            bytes_per_block=config.bytes_per_block,
+        )
+        args.json_path.write_text(json.dumps(data, indent=2) + "\n")
+    if report.requests_rejected and not report.requests_finished:
+        raise UsageError(
+            f"no request finished: all {report.requests_rejected:,} were dropped, each needing more blocks "
+            f"than a shard holds; {_too_large_hint(config)}"
+        )
+    if report.requests_rejected:
+        print(
+            f"akv: note: {report.requests_rejected:,} of {report.requests:,} requests were dropped, each needing "
+            f"more blocks than a shard holds; {_too_large_hint(config)}",
+            file=sys.stderr,
+        )
+    return 0
