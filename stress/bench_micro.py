@@ -18,8 +18,8 @@ Three measurements, all on this machine, one process:
     sequence-token (total time / (steps × B)).
 (c) **actor-free**: the same step sequence, built into the same
     :class:`~akv.core.step.StepRequest` objects the manager sends its shard, applied
-    by :meth:`akv.core.shard_state.ShardState.step` driven synchronously against a
-    local :class:`~akv.core.radix_tree.RadixTree` (:func:`akv.core.shard_state.drive`).
+    by :meth:`akv.core.shard_state.ShardState.step` called directly (the state owns
+    its :class:`~akv.core.radix_tree.RadixTree`).
     The actor share of a step is ``1 - actor_free / manager`` (per-step medians); it
     covers everything the manager adds around the shard's work: input validation,
     the shard ask, spans, metrics, tensor wrapping. As a diagnostic, the manager
@@ -60,8 +60,7 @@ import numpy as np
 
 from akv import Admit, KVCacheConfig, KVCacheManager, ModelShape
 from akv.actors.runtime import Actor
-from akv.core.radix_tree import RadixTree
-from akv.core.shard_state import ShardState, drive
+from akv.core.shard_state import ShardState
 from akv.core.step import StepRequest
 from akv.obs import configure_logging
 
@@ -213,16 +212,15 @@ class PathRun:
 
 
 class _ActorFree:
-    """The actor-free path: one ``ShardState`` and a local ``RadixTree``, configured as the manager's shard."""
+    """The actor-free path: one ``ShardState`` (with its own tree), configured as the manager's shard."""
 
     def __init__(self, plan: DecodePlan) -> None:
         cfg = _config(plan)
         (block_ids,) = cfg.shard_ranges()
         self.state = ShardState(0, block_ids, plan.block_size, enable_prefix_cache=cfg.enable_prefix_cache)
-        self.tree = RadixTree()
 
     def step(self, req: StepRequest):
-        out = drive(self.state.step(req), self.tree)
+        out = self.state.step(req)
         if out.rejected:
             raise next(iter(out.rejected.values()))
         return out
@@ -323,7 +321,7 @@ def paired_run(plan: DecodePlan, record: bool = False, backend: str = "asyncio")
 
 
 def actor_free_run(plan: DecodePlan, record: bool = False) -> PathRun:
-    """The plan through ``ShardState.step`` driven synchronously against a local ``RadixTree``."""
+    """The plan through ``ShardState.step``, called directly."""
     free = _ActorFree(plan)
     out = free.step(StepRequest(admits=_admits(plan), want_metadata=True))
     run = PathRun([])

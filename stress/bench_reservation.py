@@ -20,16 +20,15 @@ import time
 
 import numpy as np
 
-from akv.core.radix_tree import RadixTree
-from akv.core.shard_state import ShardState, drive
+from akv.core.shard_state import ShardState
 from akv.core.step import Admit, StepRequest
 
 BLOCK_SIZE = 16
 
 
-def make_shard(batch: int, max_new_tokens: int | None) -> tuple[ShardState, RadixTree]:
+def make_shard(batch: int, max_new_tokens: int | None) -> ShardState:
     """A shard holding ``batch`` prefilled, committed sequences (ids ``0..batch-1``)."""
-    state, tree = ShardState(0, range(batch * 64), BLOCK_SIZE), RadixTree()
+    state = ShardState(0, range(batch * 64), BLOCK_SIZE)
     admits = [
         Admit(
             seq_id=i,
@@ -38,9 +37,9 @@ def make_shard(batch: int, max_new_tokens: int | None) -> tuple[ShardState, Radi
         )
         for i in range(batch)
     ]
-    drive(state.step(StepRequest(admits=admits)), tree)
-    drive(state.step(StepRequest(commits={i: 99 + i % BLOCK_SIZE for i in range(batch)})), tree)
-    return state, tree
+    state.step(StepRequest(admits=admits))
+    state.step(StepRequest(commits={i: 99 + i % BLOCK_SIZE for i in range(batch)}))
+    return state
 
 
 def bench(batch: int, steps: int) -> dict:
@@ -50,13 +49,13 @@ def bench(batch: int, steps: int) -> dict:
     for s in range(steps):
         order = ("plain", "reserved") if s % 2 else ("reserved", "plain")
         for name in order:
-            state, tree = shards[name]
+            state = shards[name]
             req = StepRequest(commits={i: 1 for i in range(batch)} if s else {}, appends={i: 5 for i in range(batch)})
             t0 = time.perf_counter()
-            drive(state.step(req), tree)
+            state.step(req)
             times[name].append(time.perf_counter() - t0)
-    for state, tree in shards.values():
-        state.check(tree.block_ids())
+    for state in shards.values():
+        state.check()
     return {
         "batch": batch,
         "steps": steps,

@@ -24,8 +24,8 @@ from akv.core.eviction_policy import (
     lru_key,
     slru_key,
 )
-from akv.core.radix_tree import RadixTree, block_keys
-from akv.core.shard_state import ShardState, drive
+from akv.core.radix_tree import block_keys
+from akv.core.shard_state import ShardState
 from akv.core.step import Admit, StepRequest
 from akv.testing import PendingCopiesMachine, ShardStateMachine
 
@@ -412,7 +412,7 @@ shard_ops = st.lists(
     ]
 )
 def test_shard_evicts_in_policy_order_and_only_leaves(policy: str, ops) -> None:
-    """Admissions with shared prefixes, forks, frees and evictions against a local tree.
+    """Admissions with shared prefixes, forks, frees and evictions of one shard and its tree.
 
     After every operation: the shard, its pool and the tree are consistent; the
     tree never refused a victim (keys are monotone, so leaves come first); every
@@ -420,7 +420,7 @@ def test_shard_evicts_in_policy_order_and_only_leaves(policy: str, ops) -> None:
     and the pool's hit counts match a model that counts admissions' prefix hits.
     """
     state = ShardState(0, range(100, 110), BS, eviction_policy=policy)
-    tree = RadixTree()
+    tree = state.tree
     pool = state.pool
     model_hits: dict[int, int] = {}
     live: list[str] = []
@@ -434,7 +434,7 @@ def test_shard_evicts_in_policy_order_and_only_leaves(policy: str, ops) -> None:
             sid = f"s{n}"
             n += 1
             hits = tree.match(state.namespace_key(None), block_keys(prompt, BS, (len(prompt) - 1) // BS))
-            out = drive(state.step(StepRequest(admits=[Admit(seq_id=sid, prompt=prompt, prefill_done=True)])), tree)
+            out = state.step(StepRequest(admits=[Admit(seq_id=sid, prompt=prompt, prefill_done=True)]))
             note(f"add {sid} {prompt.tolist()} -> {out.cached_tokens or out.rejected} evicted {out.evicted_blocks}")
             event("add: evicted" if out.evicted_blocks else "add: hit" if out.cached_tokens.get(sid) else "add")
             if sid in out.rejected:
@@ -453,24 +453,24 @@ def test_shard_evicts_in_policy_order_and_only_leaves(policy: str, ops) -> None:
                 assert gone == [blk for blk in before if blk not in hits][: out.evicted_blocks]
         elif kind == "free" and live:
             sid = live.pop(op[1] % len(live))
-            drive(state.step(StepRequest(frees=[sid])), tree)
+            state.step(StepRequest(frees=[sid]))
             note(f"free {sid}")
         elif kind == "fork" and live:
             parent, child = live[op[1] % len(live)], f"s{n}"
             n += 1
-            drive(state.step(StepRequest(forks=[(parent, [child])])), tree)
+            state.step(StepRequest(forks=[(parent, [child])]))
             live.append(child)
             note(f"fork {parent} -> {child}")
         elif kind == "evict":
             cached = pool.num_cached
-            evicted = drive(state.evict(op[1]), tree)
+            evicted = state.evict(op[1])
             note(f"evict {op[1]} of {cached} -> {evicted}")
             event("evict" if evicted else "evict: nothing cached")
             assert evicted == min(op[1], cached)
             assert pool.eviction_order() == before[evicted:]
             assert not any(blk in tree for blk in before[:evicted])
         tree.check()
-        state.check(tree.block_ids())
+        state.check()
         pool.check()
         assert state.counters.eviction_refusals == 0, "the policy put a non-leaf before its cached child"
         if policy != "lru":
@@ -484,17 +484,17 @@ def test_a_policy_that_offers_inner_blocks_first_still_evicts_only_leaves() -> N
     # cached child), so the one eviction takes the leaf.
     mru = EvictionPolicy("mru", lambda num_hits, last_release: (-last_release,))
     state = ShardState(0, range(100, 110), BS, eviction_policy=mru)
-    tree = RadixTree()
+    tree = state.tree
     prompt = np.arange(1, 14, dtype=np.int32)  # three full blocks (100, 101, 102) and a partial tail (103)
-    drive(state.step(StepRequest(admits=[Admit(seq_id="a", prompt=prompt, prefill_done=True)])), tree)
-    drive(state.step(StepRequest(frees=["a"])), tree)
+    state.step(StepRequest(admits=[Admit(seq_id="a", prompt=prompt, prefill_done=True)]))
+    state.step(StepRequest(frees=["a"]))
     assert state.pool.eviction_order() == [100, 101, 102]
-    assert drive(state.evict(1), tree) == 1
+    assert state.evict(1) == 1
     assert state.counters.eviction_refusals == 2
     assert tree.block_ids() == [100, 101]
     assert state.pool.eviction_order() == [100, 101]
     tree.check()
-    state.check(tree.block_ids())
+    state.check()
 
 
 # ------------------------------------------------------------------ the shipped stateful machines, per policy

@@ -272,10 +272,9 @@ async def test_crashed_actor_fails_every_call_and_exit(tiny_config, monkeypatch)
 
     def exploding_step(self, request):
         if any("boom" in str(adm.seq_id) for adm in request.admits):
-            yield [("size",)]  # one tree round trip
             boom_served.set()
             raise RuntimeError("boom")
-        return (yield from real_step(self, request))
+        return real_step(self, request)
 
     monkeypatch.setattr(ShardState, "step", exploding_step)
     outcomes: dict[object, BaseException | None] = {}

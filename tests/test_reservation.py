@@ -1,8 +1,8 @@
 """Reservations at admission (``max_new_tokens``) and ``wait_for_room``: decode that never runs out.
 
 Pools are tiny (block_size 4) so every count is exact. The manager tests run
-real actors on CPU tensors; the property test drives :class:`ShardState`
-against a local radix tree and checks, after every step, that no reserved
+real actors on CPU tensors; the property test steps a :class:`ShardState`
+(which owns its radix tree) and checks, after every step, that no reserved
 sequence within its reservation was ever refused and that the reservations
 add up (``ShardState.check``).
 """
@@ -19,8 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from akv import Admit, KVCacheManager
-from akv.core.radix_tree import RadixTree
-from akv.core.shard_state import ShardState, drive
+from akv.core.shard_state import ShardState
 from akv.core.step import StepRequest
 from akv.errors import InvalidInput, ManagerClosed, PoolExhausted, RequestTooLarge, UnknownSequence
 
@@ -284,9 +283,9 @@ OPS = st.lists(
 )
 
 
-def run_step(state: ShardState, tree: RadixTree, req: StepRequest):
+def run_step(state: ShardState, req: StepRequest):
     """One step, its copies "run" at once (their pins released), as the actor does once a copy is done."""
-    out = drive(state.step(req), tree)
+    out = state.step(req)
     if out.copies:
         state.release_copy_pins([b for pair in out.copies for b in pair])
     return out
@@ -295,7 +294,7 @@ def run_step(state: ShardState, tree: RadixTree, req: StepRequest):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS)
 def test_reserved_sequences_never_refused_within_their_reservation(ops) -> None:
-    state, tree = ShardState(0, range(12), BS), RadixTree()
+    state = ShardState(0, range(12), BS)
     limit: dict[str, int | None] = {}  # live id -> max tokens (None: ordinary)
     next_id = 0
     for kind, a, b in ops:
@@ -303,19 +302,19 @@ def test_reserved_sequences_never_refused_within_their_reservation(ops) -> None:
         if kind == "admit":
             sid, next_id = f"s{next_id}", next_id + 1
             adm = Admit(seq_id=sid, prompt=np.arange(1, a + 1, dtype=np.int32) + next_id, max_new_tokens=b)
-            out = run_step(state, tree, StepRequest(admits=[adm]))
+            out = run_step(state, StepRequest(admits=[adm]))
             if sid not in out.rejected:
                 limit[sid] = None if b is None else a + b
         elif kind == "decode" and live:
             batch = live[: a * 3]
-            out = run_step(state, tree, StepRequest(appends={s: 5 for s in batch}))
+            out = run_step(state, StepRequest(appends={s: 5 for s in batch}))
             for sid in out.rejected:
                 cap = limit[sid]
                 assert cap is None or state.sequences[sid].num_tokens >= cap, f"{sid} refused within its reservation"
-            run_step(state, tree, StepRequest(commits={s: 1 for s in batch if s not in out.rejected}))
+            run_step(state, StepRequest(commits={s: 1 for s in batch if s not in out.rejected}))
         elif kind == "extend" and live:  # several tokens: the per-sequence path
             sid = live[a % len(live)]
-            out = run_step(state, tree, StepRequest(appends={sid: np.full(b, 3, dtype=np.int32)}))
+            out = run_step(state, StepRequest(appends={sid: np.full(b, 3, dtype=np.int32)}))
             cap = limit[sid]
             if sid in out.rejected:
                 assert cap is None or state.sequences[sid].num_tokens + b > cap, f"{sid} refused within its reservation"
@@ -323,15 +322,15 @@ def test_reserved_sequences_never_refused_within_their_reservation(ops) -> None:
             parent = live[a % len(live)]
             child, next_id = f"s{next_id}", next_id + 1
             try:
-                run_step(state, tree, StepRequest(forks=[(parent, (child,))]))
+                run_step(state, StepRequest(forks=[(parent, (child,))]))
                 limit[child] = None
             except PoolExhausted:
                 assert child not in state.sequences
         elif kind == "free" and live:
             sid = live[a % len(live)]
-            run_step(state, tree, StepRequest(frees=(sid,)))
+            run_step(state, StepRequest(frees=(sid,)))
             del limit[sid]
-        state.check(tree.block_ids())
+        state.check()
 
 
 @pytest.mark.anyio

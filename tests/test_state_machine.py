@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from akv.core.radix_tree import RadixTree
-from akv.core.shard_state import ShardState, drive
+from akv.core.shard_state import ShardState
 from akv.core.step import Admit, StepOutcome, StepRequest
 from akv.errors import PoolExhausted
 from akv.testing import PendingCopiesMachine, ShardStateMachine, TestPendingCopiesMachine, TestShardStateMachine
@@ -20,18 +19,17 @@ def tokens(*ids: int) -> np.ndarray:
 
 
 class Shard:
-    """A ShardState driven synchronously against a local tree; copies stay pending until released."""
+    """A ShardState and its tree; copies stay pending until released."""
 
     def __init__(self, num_blocks: int) -> None:
         self.state = ShardState(0, range(num_blocks), BS)
-        self.tree = RadixTree()
+        self.tree = self.state.tree
 
     def step(self, **kw) -> StepOutcome:
-        return drive(self.state.step(StepRequest(**kw)), self.tree)
+        return self.state.step(StepRequest(**kw))
 
     def check(self) -> None:
-        self.tree.check()
-        self.state.check(self.tree.block_ids())
+        self.state.check()
 
 
 def test_machines_are_exported_with_their_settings() -> None:
@@ -124,4 +122,21 @@ def test_freeing_a_parent_and_its_forks_in_one_step_drops_every_reference() -> N
     assert [pool.refcount(b) for b in range(8)] == [0] * 8
     assert pool.total_refs == 0
     assert pool.counts() == {"free": 6, "active": 0, "cached": 2, "in_flight": 0}  # the two full blocks stay cached
+    shard.check()
+
+
+def test_step_outcome_lists_the_blocks_stored_and_removed() -> None:
+    # 6 blocks. "a" (13 tokens, computed at once) stores its 3 full blocks;
+    # freed, they are cached. "b" (17 other tokens) needs 5 blocks with 3 free:
+    # its step evicts 2 (deepest first: 2, then 1) and stores its own 4 full blocks.
+    shard = Shard(6)
+    out = shard.step(admits=[Admit(seq_id="a", prompt=tokens(*range(1, 14)), prefill_done=True)])
+    assert (out.stored_block_ids, out.removed_block_ids) == ([0, 1, 2], [])
+    out = shard.step(frees=["a"])
+    assert (out.stored_block_ids, out.removed_block_ids) == ([], [])
+    out = shard.step(admits=[Admit(seq_id="b", prompt=tokens(*range(50, 67)), prefill_done=True)])
+    table = shard.state.sequences["b"].block_ids.tolist()
+    assert out.removed_block_ids == [2, 1]
+    assert out.stored_block_ids == table[:4]
+    assert sorted(shard.tree.block_ids()) == sorted([0, *table[:4]])
     shard.check()

@@ -1,11 +1,11 @@
 """Pool shard actor: owns one shard's blocks, refcounts, free queue, eviction order, sequences and prefix tree.
 
 A thin shell around :class:`~akv.core.shard_state.ShardState`: it decodes a
-message, runs one core method, and answers the tree operations that method
-yields from its own :class:`~akv.core.radix_tree.RadixTree`. Prefix hits are
-shard-local (namespace keys carry the shard index), so each shard owning the
-tree of its own blocks loses nothing and saves a second actor hop per step
-(see docs/architecture.md, "One actor per step"). Copy-on-write
+message and runs one core method. The state owns the
+:class:`~akv.core.radix_tree.RadixTree` of its own blocks: prefix hits are
+shard-local (namespace keys carry the shard index), so a shard owning its
+tree loses nothing and saves a second actor hop per step (see
+docs/architecture.md, "One actor per step"). Copy-on-write
 copies go to the stream worker's executor (a non-blocking, thread-safe
 submit), and their source and destination blocks stay pinned until the copy
 has run: neither can be handed out again while the copy may still read or
@@ -36,9 +36,8 @@ from akv.actors.messages import Check, Evict, Inspect, InspectBlock, Lookup, Roo
 from akv.actors.runtime import Actor
 from akv.core.block_key import chain_keys_raw, chain_suffix
 from akv.core.block_pool import STATE_NAMES
-from akv.core.radix_tree import RadixTree
 from akv.core.reservation import row_reserved
-from akv.core.shard_state import ShardCounters, ShardState, apply_tree_ops, drive
+from akv.core.shard_state import ShardCounters, ShardState
 from akv.core.step import StepOutcome, StepRequest
 from akv.errors import AkvError, InvalidInput, PoolExhausted
 from akv.obs.tracing import AkvTracer
@@ -129,8 +128,6 @@ class PoolShardActor(Actor):
         super().__init__(f"pool_shard_{state.shard_index}", inbox_capacity, logger)
         self.log = self.log.bind(shard=state.shard_index)
         self.state = state
-        #: The prefix cache index of this shard's blocks.
-        self.tree = RadixTree()
         self.copy_executor = copy_executor
         #: Free blocks below which the eviction loop is woken (while any block is cached).
         self.low_free_blocks = watermarks[0]
@@ -194,7 +191,7 @@ class PoolShardActor(Actor):
         if isinstance(msg, Step):
             with self.tracer.span("akv.shard_step", context=msg.context) as span:
                 allocated = self.state.counters.blocks_allocated
-                outcome: StepOutcome = drive(self.state.step(msg.request), self.tree)
+                outcome: StepOutcome = self.state.step(msg.request)
                 ticket = self._submit_copies(outcome) if outcome.copies else None
                 if span.is_recording():
                     span.set_attributes(
@@ -214,15 +211,15 @@ class PoolShardActor(Actor):
             req = msg.request
             self.state.validate(req)
             if req.forks and self.state.num_reserved_seqs:
-                drive(self.state.fork_room(req.forks), self.tree)
+                self.state.fork_room(req.forks)
             result = None
         elif isinstance(msg, Evict):
-            result = drive(self.state.evict(msg.max_blocks), self.tree)
+            result = self.state.evict(msg.max_blocks)
             self._room_hint = result > 0
         elif isinstance(msg, Room):
-            result = drive(self.state.room(msg.seq_id, msg.num_tokens), self.tree)
+            result = self.state.room(msg.seq_id, msg.num_tokens)
         elif isinstance(msg, Lookup):
-            (result,) = apply_tree_ops(self.tree, [self.state.lookup_op(msg.namespace, msg.prompt)])
+            result = self.state.lookup(msg.namespace, msg.prompt)
         elif isinstance(msg, Inspect):
             result = self._inspect(msg.seq_id)
         elif isinstance(msg, InspectBlock):
@@ -230,8 +227,7 @@ class PoolShardActor(Actor):
         elif isinstance(msg, Stats):
             result = self._stats()
         elif isinstance(msg, Check):
-            self.tree.check()
-            self.state.check(self.tree.block_ids())
+            self.state.check()
             result = None
         else:
             raise TypeError(f"{self.name}: unknown message {type(msg).__name__}")
@@ -379,9 +375,10 @@ class PoolShardActor(Actor):
         if type(block_id) is not int or not pool.owns(block_id):
             raise InvalidInput(f"block {block_id!r} is not a block of shard {self.state.shard_index}")
         key, depth, namespace = None, 0, None
-        if block_id in self.tree:
+        tree = self.state.tree
+        if block_id in tree:
             # Tree namespaces are (shard index, namespace) (ShardState.namespace_key); keys carry no shard.
-            (_, namespace), blocks = self.tree.chain(block_id)
+            (_, namespace), blocks = tree.chain(block_id)
             depth = len(blocks)
             key = chain_keys_raw(b"".join(blocks), block_size, chain_suffix(namespace))[-1]
         return BlockInfo(
@@ -409,6 +406,6 @@ class PoolShardActor(Actor):
             counters=ShardCounters(**{f: getattr(c, f) for f in c.__slots__}),
             max_inbox_depth=self.max_inbox_depth,
             blocks_freed=pool.blocks_freed,
-            prefix_cache_blocks=len(self.tree),
+            prefix_cache_blocks=len(self.state.tree),
             reserved=self.state.num_reserved,
         )

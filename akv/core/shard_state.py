@@ -1,26 +1,16 @@
-"""The synchronous heart of a pool shard: sequences, block tables, pool, publishing.
+"""The synchronous heart of a pool shard: sequences, block tables, pool, prefix tree.
 
-Written sans-IO: :meth:`ShardState.step` and :meth:`ShardState.evict` are
-generators that *yield* lists of prefix-tree operations and receive their
-results, because the radix tree is owned by another actor. The pool shard
-actor drives them by asking the prefix-tree actor; tests drive them against a
-local :class:`~akv.core.radix_tree.RadixTree` with :func:`drive`. The logic is
-the same object either way, and no asyncio or torch is imported here.
+:class:`ShardState` owns one shard's :class:`~akv.core.radix_tree.RadixTree`
+and calls it directly: the pool shard actor runs one method per message, and
+tests run the same methods without any actor. No asyncio or torch is
+imported here.
 
-Tree operations (tuples):
-
-- ``("match", namespace, keys[, below])`` -> ``list[int]`` matched block ids
-  (below block ``below`` instead of the root when given).
-- ``("insert", namespace, parent_block_id | None, keys, block_ids)`` -> ``int``
-  leading blocks now published.
-- ``("insert_blocks", [(namespace, parent_block_id | None, key, block_id), ...])``
-  -> one ``int`` per item (each an ``insert`` of one block), *spliced* into
-  the results list, so results stay one per publishing entry.
-- ``("remove", block_ids)`` -> ``(removed, refused)``.
-- ``("lookup", namespace, keys)`` -> ``int`` (no side effects).
-- ``("ancestors", block_ids)`` -> ``list[int]`` the distinct blocks above
-  any of ``block_ids`` in the tree (no side effects).
-- ``("size",)`` -> ``int`` blocks in the tree.
+The step's phases are grouped by responsibility in mixins, one module each:
+validation and invariant checks (:mod:`akv.core.checks`), commit and publish
+(:mod:`akv.core.publish`), appends, decode and metadata
+(:mod:`akv.core.decode`), admissions (:mod:`akv.core.admission`), room and
+eviction (:mod:`akv.core.room`). This module holds the state, the step's
+order of phases, fork and free.
 
 Every public mutation validates its whole input before changing anything, so
 an error leaves the shard exactly as it was.
@@ -28,109 +18,24 @@ an error leaves the shard exactly as it was.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import numpy as np
 
-from akv.core.block_pool import CACHED, BlockPool
+from akv.core.admission import PendingHits, ShardAdmission
+from akv.core.block_pool import BlockPool
 from akv.core.block_table import BlockTables
+from akv.core.checks import ShardChecks
+from akv.core.decode import ShardAppends
 from akv.core.eviction_policy import DEFAULT_EVICTION_POLICY
+from akv.core.publish import PendingPublish, ShardPublishing
 from akv.core.radix_tree import RadixTree, block_keys
-from akv.core.reservation import admission_reserve, fork_earmarks, reserved_blocks, row_reserved
+from akv.core.reservation import reserved_blocks
+from akv.core.room import ShardRoom
 from akv.core.sequence import Sequence
-from akv.core.step import StepOutcome, StepRequest, empty_metadata
-from akv.errors import DuplicateSequence, InvalidInput, PoolExhausted, RequestTooLarge, UnknownSequence
-
-TreeOps = list
-TreeGen = Generator[TreeOps, list, object]
-_NO_KEYS: tuple[bytes, ...] = ()  # Sequence.prompt_keys once every prompt block is published
-
-
-def apply_tree_ops(tree: RadixTree, ops: TreeOps) -> list:
-    """Run tree operations in order against ``tree`` and return their results."""
-    out = []
-    for op in ops:
-        kind = op[0]
-        if kind == "match":
-            out.append(tree.match(*op[1:]))
-        elif kind == "insert":
-            out.append(tree.insert(op[1], op[2], op[3], op[4]))
-        elif kind == "insert_blocks":
-            out.extend(tree.insert_blocks(op[1]))
-        elif kind == "remove":
-            out.append(tree.remove_leaves(op[1]))
-        elif kind == "lookup":
-            out.append(tree.lookup(op[1], op[2]))
-        elif kind == "ancestors":
-            out.append(list({a: None for b in op[1] for a in tree.path(b)[:-1]}))
-        elif kind == "size":
-            out.append(len(tree))
-        else:
-            raise ValueError(f"unknown tree operation {kind!r}")
-    return out
-
-
-def _protect(protected: dict[int, int], block_ids: list[int]) -> None:
-    for b in block_ids:
-        protected[b] = protected.get(b, 0) + 1
-
-
-def _unprotect(protected: dict[int, int], block_ids: list[int]) -> None:
-    for b in block_ids:
-        left = protected[b] - 1
-        if left:
-            protected[b] = left
-        else:
-            del protected[b]
-
-
-class PendingHits:
-    """Prefix hits of a step's admissions not applied yet: blocks its evictions must skip.
-
-    A multiset (two admissions may hit the same blocks, and one being done or
-    rejected must not expose the other's), built only when an eviction first
-    needs it and kept up to date from then on: a step that evicts nothing
-    pays one dict entry per admission instead of two dict updates per hit
-    block.
-    """
-
-    __slots__ = ("_counts", "_lists")
-
-    def __init__(self) -> None:
-        self._lists: dict[int, list[int]] = {}
-        self._counts: dict[int, int] | None = None
-
-    def add(self, key: int, hits: list[int]) -> None:
-        """Admission ``key`` (its index in the step) will take references to ``hits``."""
-        self._lists[key] = hits
-        if self._counts is not None:
-            _protect(self._counts, hits)
-
-    def discard(self, key: int) -> None:
-        """Admission ``key`` is applied or rejected: its hits need no protection any more."""
-        hits = self._lists.pop(key, None)
-        if hits is not None and self._counts is not None:
-            _unprotect(self._counts, hits)
-
-    def blocks(self) -> dict[int, int]:
-        """Block id -> pending admissions hitting it (a container for ``in`` and iteration)."""
-        if self._counts is None:
-            counts: dict[int, int] = {}
-            for hits in self._lists.values():
-                _protect(counts, hits)
-            self._counts = counts
-        return self._counts
-
-
-def drive(gen: TreeGen, tree: RadixTree):
-    """Run a sans-IO shard generator synchronously against a local tree; return its value."""
-    try:
-        ops = next(gen)
-        while True:
-            ops = gen.send(apply_tree_ops(tree, ops))
-    except StopIteration as stop:
-        return stop.value
+from akv.core.step import StepOutcome, StepRequest
+from akv.errors import UnknownSequence
 
 
 @dataclass(kw_only=True, slots=True)
@@ -154,22 +59,7 @@ class ShardCounters:
     resumed_cached_tokens: int = 0
 
 
-@dataclass(slots=True)
-class Checked:
-    """What :meth:`ShardState.validate` found, reused by :meth:`ShardState.step`.
-
-    Attributes:
-        commit_rows: intp ``(len(commits),)`` rows of the committed sequences, in order.
-        commit_counts: int64 ``(len(commits),)`` tokens committed.
-        single_appends: Every append is one ``int`` token (a decode batch).
-    """
-
-    commit_rows: np.ndarray | None = None
-    commit_counts: np.ndarray | None = None
-    single_appends: bool = False
-
-
-class ShardState:
+class ShardState(ShardChecks, ShardPublishing, ShardAppends, ShardRoom, ShardAdmission):
     """Sequences and blocks of one shard.
 
     Token ids are stored per block, beside the K/V they stand for:
@@ -189,6 +79,8 @@ class ShardState:
         null_block_id: The block id that pads block tables (never allocated,
             owned by no shard: the manager passes ``config.null_block_id``);
             default ``block_ids.stop``, right for a lone shard of ``range(0, n)``.
+        tree: The prefix tree of this shard's blocks (default: a new, empty
+            :class:`RadixTree`); the shard owns it from now on.
     """
 
     def __init__(
@@ -200,10 +92,13 @@ class ShardState:
         enable_prefix_cache: bool = True,
         eviction_policy: str = DEFAULT_EVICTION_POLICY,
         null_block_id: int | None = None,
+        tree: RadixTree | None = None,
     ) -> None:
         self.shard_index = shard_index
         #: Padding of block tables (see :mod:`akv.core.block_table`).
         self.null_block_id = block_ids.stop if null_block_id is None else null_block_id
+        #: The prefix cache index of this shard's published blocks.
+        self.tree = RadixTree() if tree is None else tree
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
         self.pool = BlockPool(block_ids, policy=eviction_policy)
@@ -225,7 +120,6 @@ class ShardState:
         #: Live sequences admitted with a reservation (0: no reservation code runs).
         self.num_reserved_seqs = 0
 
-    # ------------------------------------------------------------------ queries
     def namespace_key(self, namespace: Hashable) -> tuple:
         """Tree namespace key of ``namespace`` in this shard."""
         return (self.shard_index, namespace)
@@ -250,13 +144,21 @@ class ShardState:
         """Fraction of blocks not free (0.0-1.0)."""
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
-    def lookup_op(self, namespace: Hashable, prompt: np.ndarray) -> tuple:
-        """Tree op that counts how many blocks of ``prompt`` would hit (pure)."""
-        n = (len(prompt) - 1) // self.block_size if len(prompt) else 0
-        return ("lookup", self.namespace_key(namespace), block_keys(prompt, self.block_size, n))
+    def lookup(self, namespace: Hashable, prompt: np.ndarray) -> int:
+        """Blocks of ``prompt`` an admission in ``namespace`` would hit now (changes nothing).
 
-    # ---------------------------------------------------------------- the step
-    def step(self, req: StepRequest) -> TreeGen:
+        Args:
+            namespace: Prefix-cache namespace of the prompt.
+            prompt: Token ids, int32 ``(num_tokens,)``.
+
+        Returns:
+            Leading blocks of the prompt in the prefix cache (the last token
+            is never served from the cache, so at most ``(len - 1) // block_size``).
+        """
+        n = (len(prompt) - 1) // self.block_size if len(prompt) else 0
+        return self.tree.lookup(self.namespace_key(namespace), block_keys(prompt, self.block_size, n))
+
+    def step(self, req: StepRequest) -> StepOutcome:
         """Apply one scheduler step (see :class:`~akv.core.step.StepRequest` for the order).
 
         Appends and admissions are each all-or-nothing: one that cannot get its
@@ -269,6 +171,14 @@ class ShardState:
         a few numpy operations over the batch's rows, no per-sequence Python
         work except for the ~1/block_size rows that start a block.
 
+        Phases, in order: free (:meth:`_free`), commit (:meth:`_commit`, which
+        queues the newly full blocks for the prefix tree), fork (:meth:`_fork`),
+        publish and match (:meth:`_publish`, :meth:`_match_admissions`), append
+        (:meth:`_append`), admit (:meth:`_admit`), then the metadata of the
+        scheduled rows (:meth:`_fill_metadata`). Each phase records what it did
+        in the one :class:`~akv.core.step.StepOutcome` returned, including the
+        blocks stored in and removed from the prefix cache.
+
         Raises:
             UnknownSequence: A commit, fork or append names no live sequence.
             DuplicateSequence: An admission or fork child reuses a live id.
@@ -277,26 +187,46 @@ class ShardState:
                 copy-on-write block (:meth:`fork_room`); nothing is applied.
         """
         checked = self.validate(req)
-        bs, seqs, pool, tables = self.block_size, self.sequences, self.pool, self.tables
         out = StepOutcome()
         # Made before anything is applied: frees only add room, commits take none.
-        earmarks = (yield from self.fork_room(req.forks)) if req.forks and self.num_reserved_seqs else []
+        earmarks = self.fork_room(req.forks) if req.forks and self.num_reserved_seqs else []
         if earmarks:
-            out.evicted_blocks += yield from self._room_for_earmarks(len(earmarks))
-
+            self._room_for_earmarks(len(earmarks), out)
         if req.frees:
             self._free(req, out)
             if req.frees_only:
                 if req.want_metadata:
                     self._fill_metadata(out, None, [])
                 return out
-
-        ops: TreeOps = []
-        publishing: list = []
+        publishing = PendingPublish()
         if req.commits:
-            self._commit(req.commits, checked, ops, publishing)
+            self._commit(req.commits, checked, publishing)
+        if req.forks:
+            self._fork(req.forks, earmarks)
+        if publishing.entries:
+            self._publish(publishing, out)
+        keys, matches = self._match_admissions(req.admits)
+        # Prefix hits of admissions not processed yet must not be evicted to make
+        # room for anything else in this step.
+        protected = PendingHits()
+        for i, hits in matches.items():
+            protected.add(i, hits)
+        # Scheduled rows besides a vectorized decode batch, in metadata order:
+        # their ids and (row, first new position, new tokens).
+        sched_ids: list = []
+        sched: list[tuple[int, int, int]] = []
+        decoded = self._append(req, checked, protected, out, sched_ids, sched) if req.appends else None
+        if req.admits:
+            self._admit(req.admits, keys, matches, protected, out, sched_ids, sched)
+        out.seq_ids = decoded[0] + sched_ids if decoded is not None else sched_ids
+        if req.want_metadata:
+            self._fill_metadata(out, decoded, sched)
+        return out
 
-        for parent_id, child_ids in req.forks:
+    def _fork(self, forks, earmarks: list[int]) -> None:
+        """Fork phase: each child shares every block of its parent; earmark the copy-on-write blocks ``earmarks``."""
+        seqs, pool, tables = self.sequences, self.pool, self.tables
+        for parent_id, child_ids in forks:
             parent = seqs[parent_id]
             for child_id in child_ids:
                 child = parent.fork(child_id, tables.new_row())
@@ -310,423 +240,17 @@ class ShardState:
             tables.cow_reserved[earmarks] = True
             self.num_reserved += len(earmarks)
 
-        # Batch the matches of ordinary admissions with the inserts in one tree message.
-        bs_keys = (
-            [block_keys(adm.prompt, bs, len(adm.prompt) // bs) for adm in req.admits]
-            if self.enable_prefix_cache
-            else []
-        )
-        matches: dict[int, list[int]] = {}
-        match_slots: list[int] = []
-        if self.enable_prefix_cache:
-            for i, adm in enumerate(req.admits):
-                n = (len(adm.prompt) - 1) // bs
-                ops.append(("match", self.namespace_key(adm.namespace), bs_keys[i][:n]))
-                match_slots.append(i)
-        if ops:
-            results = yield ops
-            self._apply_published(publishing, results)
-            for i, res in zip(match_slots, results[len(publishing) :]):
-                matches[i] = res
-        # Prefix hits of admissions not processed yet must not be evicted to make
-        # room for anything else in this step.
-        protected = PendingHits()
-        for i, hits in matches.items():
-            protected.add(i, hits)
-
-        # Scheduled rows, in metadata order: (seq ids, rows, first new position, new tokens).
-        decoded = self._decode(req.appends, out, req.commits, checked.commit_rows) if checked.single_appends else None
-        if decoded is None and checked.single_appends:
-            # The batch's new blocks do not fit in the free blocks: evict the
-            # shortfall in one pass (instead of per sequence on the general
-            # path below) and take the vectorized path after all.
-            short = self._decode_shortfall
-            if short <= self._evictable(protected.blocks()):
-                out.evicted_blocks += yield from self._evict(short, protected.blocks())
-                decoded = self._decode(req.appends, out, req.commits, checked.commit_rows)
-        sched_ids: list = []
-        sched: list[tuple[int, int, int]] = []
-        if req.appends and decoded is None:
-            for seq_id, tokens in req.appends.items():
-                seq = seqs[seq_id]
-                blocks = seq.block_ids
-                row = blocks.row
-                start = int(tables.num_tokens[row])
-                single = type(tokens) is int
-                k = 1 if single else len(tokens)
-                tail = start % bs != 0 and pool.refcount(blocks.last()) > 1
-                total = (start + k + bs - 1) // bs
-                need = total - len(blocks) + tail
-                own = row_reserved(tables, row, bs) if self.num_reserved_seqs else 0
-                if need > pool.num_free - self.num_reserved + own or total > pool.num_blocks:
-                    err = yield from self._make_room(need, total, protected, out, own)
-                    if err is not None:
-                        out.rejected[seq_id] = err
-                        continue
-                if tail:
-                    self._copy_on_write(seq_id, row, out)
-                    need -= 1
-                if need:
-                    blocks.extend(pool.allocate(need))
-                    self.table_refs += need
-                    self.counters.blocks_allocated += need
-                tables.shared_tail[row] = False
-                if own:
-                    tables.cow_reserved[row] = False
-                    self.num_reserved += row_reserved(tables, row, bs) - own
-                self._write_tokens(row, start, np.array([tokens], dtype=np.int32) if single else tokens)
-                tables.num_tokens[row] = start + k
-                sched_ids.append(seq_id)
-                sched.append((row, start, k))
-
-        if req.admits and not any(adm.prefill_done for adm in req.admits):
-            out.evicted_blocks += yield from self._evict_for_admissions(req.admits, matches, protected)
-        pending: list = []
-        pending_ops: TreeOps = []
-        published_here = False  # a prefill_done admission of this step has published blocks
-        for i, adm in enumerate(req.admits):
-            prompt = adm.prompt
-            length = len(prompt)
-            max_hit_blocks = (length - 1) // bs
-            ns = self.namespace_key(adm.namespace)
-            hits = matches.get(i, [])
-            if published_here and len(hits) < max_hit_blocks:
-                # Earlier admissions of this step (prefill_done) publish first; their new
-                # blocks may extend this match (they are referenced, so need no protection).
-                results = yield [
-                    *pending_ops,
-                    ("match", ns, bs_keys[i][len(hits) : max_hit_blocks], hits[-1] if hits else None),
-                ]
-                self._apply_published(pending, results)
-                pending, pending_ops = [], []
-                if results[-1]:
-                    hits = hits + results[-1]
-            total = -(-length // bs)
-            need = total - len(hits)
-            reserve = admission_reserve(length, adm.max_new_tokens, bs)
-            err = yield from self._make_room(need + reserve, total + reserve, protected, out)
-            protected.discard(i)
-            if err is not None:
-                out.rejected[adm.seq_id] = err
-                continue
-            seq = Sequence(adm.seq_id, adm.namespace, length, tables.new_row())
-            row = seq.row
-            if self.enable_prefix_cache:
-                seq.prompt_keys = bs_keys[i]
-            pool.incref(hits, hit=True, distinct=True)
-            seq.block_ids.extend(hits)
-            seq.block_ids.extend(pool.allocate(need))
-            self.table_refs += len(hits) + need
-            self.counters.blocks_allocated += need
-            cached = len(hits) * bs
-            self._write_tokens(row, cached, prompt[cached:])
-            tables.num_tokens[row] = length
-            tables.num_computed[row] = cached
-            if adm.max_new_tokens is not None:
-                tables.max_tokens[row] = length + adm.max_new_tokens
-                self.num_reserved += reserve
-                self.num_reserved_seqs += 1
-            seq.num_published = len(hits)
-            seq.num_cached_tokens = cached
-            seqs[adm.seq_id] = seq
-            self.rows[adm.seq_id] = row
-            out.cached_tokens[adm.seq_id] = cached
-            self.counters.sequences_added += 1
-            if adm.resumed:
-                self.counters.sequences_resumed += 1
-                self.counters.resumed_prompt_tokens += length
-                self.counters.resumed_cached_tokens += cached
-            else:
-                self.counters.prompt_tokens += length
-                self.counters.cached_tokens += cached
-            sched_ids.append(adm.seq_id)
-            sched.append((row, cached, length - cached))
-            if adm.prefill_done:
-                tables.num_computed[row] = length
-                self._queue_publish(seq, pending_ops, pending)
-                published_here = published_here or bool(pending_ops)
-        if pending_ops:
-            results = yield pending_ops
-            self._apply_published(pending, results)
-
-        if decoded is not None:
-            out.seq_ids = decoded[0] + sched_ids
-        else:
-            out.seq_ids = sched_ids
-        if req.want_metadata:
-            self._fill_metadata(out, decoded, sched)
-        return out
-
-    def evict(self, max_blocks: int) -> TreeGen:
+    def evict(self, max_blocks: int) -> int:
         """Evict up to ``max_blocks`` cached blocks, in the eviction policy's order (leaves only).
 
         Returns:
             Blocks evicted (removed from the prefix cache, now free).
         """
-        n = yield from self._evict(max_blocks, frozenset())
-        return n
+        return self._evict(max_blocks, frozenset())
 
     def release_copy_pins(self, block_ids: list[int]) -> None:
         """A copy batch finished: its source and destination blocks may become cached or free."""
         self.pool.unpin_copied(block_ids)
-
-    # ------------------------------------------------------------- internals
-    def validate(self, req: StepRequest) -> Checked:
-        """Raise the input error :meth:`step` would raise for ``req``; change nothing.
-
-        The one shortage :meth:`step` raises, a fork's earmark, needs the tree:
-        :meth:`fork_room` checks it.
-
-        The common case (every id known, every count an int) is checked with
-        set and array operations; any problem reruns the per-item checks to
-        report the first offending item in request order.
-
-        Returns:
-            What the checks found that :meth:`step` reuses.
-
-        Raises:
-            UnknownSequence, DuplicateSequence, InvalidInput: As :meth:`step`.
-        """
-        if req.frees_only:
-            return Checked()  # unknown ids are no-ops
-        seqs = self.sequences
-        freed = {s for s in req.frees if s in seqs}
-        checked = Checked()
-        if req.commits:
-            found = self._commits_ok(req.commits, freed)
-            if found is None:
-                self._validate_commits(req.commits, freed)
-                found = self._commit_arrays(req.commits)
-            checked.commit_rows, checked.commit_counts = found
-        created: set = set()
-
-        def live(seq_id: Hashable) -> bool:
-            return seq_id in seqs and seq_id not in freed
-
-        for parent_id, child_ids in req.forks:
-            if not live(parent_id) and parent_id not in created:
-                raise UnknownSequence(parent_id)
-            for child_id in child_ids:
-                if live(child_id) or child_id in created:
-                    raise DuplicateSequence(child_id)
-                created.add(child_id)
-        for parent_id, _ in req.forks:
-            if parent_id in created and parent_id not in seqs:
-                raise InvalidInput(f"fork of {parent_id!r}, a child created in the same step; fork it next step")
-        appends = req.appends
-        if appends:
-            keys = appends.keys()
-            unknown = ((keys - seqs.keys()) | (keys & freed)) - created
-            checked.single_appends = single = set(map(type, appends.values())) == {int}
-            if unknown or not single:
-                for seq_id, tokens in appends.items():
-                    if (seq_id not in seqs or seq_id in freed) and seq_id not in created:
-                        raise UnknownSequence(seq_id)
-                    if type(tokens) is not int and len(tokens) == 0:
-                        raise InvalidInput(f"append of no tokens to sequence {seq_id!r}")
-        for adm in req.admits:
-            if live(adm.seq_id) or adm.seq_id in created:
-                raise DuplicateSequence(adm.seq_id)
-            created.add(adm.seq_id)
-            if len(adm.prompt) == 0:
-                raise InvalidInput(f"empty prompt for sequence {adm.seq_id!r}")
-        return checked
-
-    def _commits_ok(self, commits, freed: set) -> tuple[np.ndarray, np.ndarray] | None:
-        """Vectorized commit check: all ids live, all counts ints within range; their rows and counts, or None."""
-        if (freed and not freed.isdisjoint(commits)) or set(map(type, commits.values())) != {int}:
-            return None
-        try:
-            rows, add = self._commit_arrays(commits)
-        except (KeyError, OverflowError):  # an unknown id, a count beyond int64: the per-item check words the error
-            return None
-        t = self.tables
-        if (add >= 0).all() and (t.num_computed[rows] + add <= t.num_tokens[rows]).all():
-            return rows, add
-        return None
-
-    def _commit_arrays(self, commits) -> tuple[np.ndarray, np.ndarray]:
-        """Rows (intp) and token counts (int64) of valid ``commits``, in their order."""
-        n = len(commits)
-        rows = np.fromiter(map(self.rows.__getitem__, commits), dtype=np.intp, count=n)
-        return rows, np.fromiter(commits.values(), dtype=np.int64, count=n)
-
-    def _validate_commits(self, commits, freed: set) -> None:
-        seqs = self.sequences
-        for seq_id, n in commits.items():
-            seq = seqs.get(seq_id)
-            if seq is None or seq_id in freed:
-                raise UnknownSequence(seq_id)
-            if type(n) is not int and (not isinstance(n, np.integer) or isinstance(n, bool)):
-                raise InvalidInput(f"commit of {n!r} tokens for sequence {seq_id!r}: need an int >= 0")
-            computed, tokens = seq.num_computed, seq.num_tokens
-            if n < 0 or computed + n > tokens:
-                raise InvalidInput(
-                    f"commit of {n} tokens for sequence {seq_id!r}: need 0 <= n <= "
-                    f"{tokens - computed} ({computed} of {tokens} tokens computed)"
-                )
-
-    def _commit(self, commits, checked: Checked, ops: TreeOps, publishing: list) -> None:
-        """Add committed token counts (vectorized); queue the publishing of newly full blocks."""
-        ids = list(commits)
-        rows, add = checked.commit_rows, checked.commit_counts
-        computed = self.tables.num_computed
-        old = computed[rows]
-        new = old + add
-        computed[rows] = new
-        if not self.enable_prefix_cache:
-            return
-        bs, seqs = self.block_size, self.sequences
-        single: list[tuple[Sequence, int]] = []  # (sequence, index of its one newly full block)
-        single_rows: list[int] = []
-        for i in np.flatnonzero(new // bs > old // bs).tolist():
-            seq = seqs[ids[i]]
-            full = int(new[i]) // bs
-            if seq.publish_stopped or full <= seq.num_published:
-                continue
-            if full == seq.num_published + 1:  # the decode case: one block just filled
-                single.append((seq, full - 1))
-                single_rows.append(int(rows[i]))
-            else:
-                self._queue_publish(seq, ops, publishing)
-        if single:
-            self._queue_publish_single(single, single_rows, ops, publishing)
-
-    def _queue_publish_single(self, single: list, rows: list[int], ops: TreeOps, publishing: list) -> None:
-        """Queue the publishing of each sequence's one newly full block: one tree op, keys cut from one gather."""
-        tables = self.tables
-        cols = np.fromiter((c for _, c in single), dtype=np.intp, count=len(single))
-        r = np.array(rows, dtype=np.intp)
-        blocks = tables.array[r, cols]
-        parents = tables.array[r, np.maximum(cols - 1, 0)].tolist()
-        raw = self.block_tokens[blocks.astype(np.intp) - self.pool.first_block_id].tobytes()
-        width = 4 * self.block_size
-        shard = self.shard_index
-        items = []
-        for j, ((seq, col), block) in enumerate(zip(single, blocks.tolist())):
-            items.append(((shard, seq.namespace), parents[j] if col else None, raw[j * width : (j + 1) * width], block))
-            publishing.append((seq, col, [block]))
-        ops.append(("insert_blocks", items))
-
-    def _decode(
-        self, appends, out: StepOutcome, commits=None, commit_rows: np.ndarray | None = None
-    ) -> tuple[list, np.ndarray, np.ndarray, np.ndarray] | None:
-        """The vectorized decode path: one ``int`` token for each sequence of ``appends``.
-
-        Returns ``(seq_ids, rows, positions, slots)`` (int arrays of shape
-        ``(batch,)``), or None without changing anything when the batch's new
-        blocks and copies do not fit in the free blocks (the shortfall is left
-        in ``_decode_shortfall``; the step then evicts it in one pass, or the
-        general path evicts or rejects per sequence).
-
-        ``commits`` and ``commit_rows`` (the step's validated commits and their
-        rows) save looking the rows up again when the appends start with the
-        same sequences in the same order, as a decode loop's do.
-        """
-        values = appends.values()
-        bs, pool, tables = self.block_size, self.pool, self.tables
-        n = len(appends)
-        ids = list(appends)
-        k = len(commits) if commit_rows is not None else 0
-        if k and k <= n and ids[:k] == list(commits):  # a decode loop commits and appends the same rows
-            rest = np.fromiter(map(self.rows.__getitem__, ids[k:]), dtype=np.intp, count=n - k)
-            rows = commit_rows if k == n else np.concatenate((commit_rows, rest))
-        else:
-            rows = np.fromiter(map(self.rows.__getitem__, ids), dtype=np.intp, count=n)
-        pos = tables.num_tokens[rows]
-        new_block = pos % bs == 0
-        maybe_shared = np.flatnonzero(tables.shared_tail[rows] & ~new_block).tolist()
-        num_new = int(np.count_nonzero(new_block))
-        released = 0  # earmarked blocks this batch takes or gives back
-        if self.num_reserved_seqs:
-            # A row allocates at most one block (a new block or a copy); a row
-            # with an earmark takes it from there, the others from the free
-            # blocks no reservation holds. Afterwards every row's copy earmark
-            # is gone (used or, its tail written in place, given back) and each
-            # new block of a row with earmarked blocks came out of them.
-            ahead = np.maximum(-(-tables.max_tokens[rows] // bs) - tables.lens[rows], 0) > 0
-            cow = tables.cow_reserved[rows]
-            released = int(np.count_nonzero(new_block & ahead)) + int(np.count_nonzero(cow))
-            short = self._decode_short(
-                rows,
-                [i for i in maybe_shared if not cow[i]],
-                int(np.count_nonzero(new_block & ~ahead)),
-                pool.num_free - self.num_reserved,
-            )
-        else:
-            short = self._decode_short(rows, maybe_shared, num_new, pool.num_free)
-        if short:
-            self._decode_shortfall = short
-            return None
-        for i in maybe_shared:  # in order: the last holder of a shared tail writes in place
-            r = int(rows[i])
-            if pool.refcount(tables.last_block(r)) > 1:
-                self._copy_on_write(ids[i], r, out)
-        if num_new:
-            grow = rows[new_block]
-            cols = pos[new_block] // bs
-            tables.ensure_cols(int(cols[-1] if num_new == 1 else cols.max()) + 1)
-            tables.array[grow, cols] = pool.allocate(num_new)
-            tables.lens[grow] += 1
-            self.table_refs += num_new
-            self.counters.blocks_allocated += num_new
-        tables.shared_tail[rows] = False
-        if released:
-            tables.cow_reserved[rows] = False
-            self.num_reserved -= released
-        slots = tables.array[rows, pos // bs].astype(np.int64) * bs + pos % bs
-        self._flat_tokens[slots - self._first_slot] = np.fromiter(values, dtype=np.int64, count=n)
-        tables.num_tokens[rows] = pos + 1
-        return ids, rows, pos, slots
-
-    def _decode_short(self, rows: np.ndarray, shared: list[int], num_new: int, free: int) -> int:
-        """Blocks a decode batch lacks: ``num_new`` new blocks plus the copies of ``shared`` rows, against ``free``."""
-        if num_new + len(shared) <= free:  # at most one copy per flagged row
-            return 0
-        # Exact copies: rows copy in order while their tail is still shared,
-        # so a tail held R times by k rows of the batch is copied min(k, R - 1) times.
-        pool, tables = self.pool, self.tables
-        holders: dict[int, int] = {}
-        for i in shared:
-            b = tables.last_block(int(rows[i]))
-            holders[b] = holders.get(b, 0) + 1
-        copies = sum(min(k, pool.refcount(b) - 1) for b, k in holders.items())
-        return max(0, num_new + copies - free)
-
-    def _copy_on_write(self, seq_id: Hashable, row: int, out: StepOutcome) -> None:
-        """Give ``row`` a private copy of its shared partial tail block (K/V copy queued in ``out``)."""
-        pool, tables = self.pool, self.tables
-        col = int(tables.lens[row]) - 1
-        old = int(tables.array[row, col])
-        (new,) = pool.allocate(1)
-        tables.array[row, col] = new
-        pool.pin_for_copy((old, new))  # neither may be reused before the copy ran
-        pool.decref((old,))
-        base = pool.first_block_id
-        self.block_tokens[new - base] = self.block_tokens[old - base]
-        out.copies.append((old, new))
-        out.copy_seq_ids.append(seq_id)
-        self.counters.cow_copies += 1
-        self.counters.blocks_allocated += 1
-
-    def _write_tokens(self, row: int, start: int, tokens: np.ndarray) -> None:
-        """Store ``tokens`` at positions ``start..`` of ``row`` (its blocks must exist)."""
-        k = len(tokens)
-        if not k:
-            return
-        bs = self.block_size
-        if start % bs == 0:  # an admission after its prefix hits: whole blocks, then a partial one
-            full, rem = divmod(k, bs)
-            first = start // bs
-            offsets = self.tables.array[row, first : first + full + (rem > 0)] - self.pool.first_block_id
-            if full:
-                self.block_tokens[offsets[:full]] = tokens[: full * bs].reshape(full, bs)
-            if rem:
-                self.block_tokens[offsets[full], :rem] = tokens[full * bs :]
-            return
-        pos = np.arange(start, start + k)
-        slots = self.tables.array[row, pos // bs].astype(np.int64) * bs + pos % bs
-        self._flat_tokens[slots - self._first_slot] = tokens
 
     def _free(self, req: StepRequest, out: StepOutcome) -> None:
         """Free the step's live sequences (unknown ids are ignored): one decref for all their blocks.
@@ -754,337 +278,3 @@ class ShardState:
         self.pool.decref(ids, distinct=len(freed_rows) == 1)
         self.table_refs -= len(ids)
         self.counters.sequences_freed += len(freed_rows)
-
-    def _queue_publish(self, seq: Sequence, ops: TreeOps, publishing: list) -> None:
-        if not self.enable_prefix_cache or seq.publish_stopped:
-            return
-        bs = self.block_size
-        full = min(seq.num_computed // bs, len(seq.block_ids))
-        start = seq.num_published
-        if full <= start:
-            return
-        parent = seq.block_ids[start - 1] if start else None
-        view = seq.block_ids.view()[start:full]
-        if full <= len(seq.prompt_keys):
-            keys = seq.prompt_keys[start:full]
-        else:
-            tokens = self.block_tokens[view.astype(np.intp) - self.pool.first_block_id].reshape(-1)
-            keys = block_keys(tokens, bs, full - start)
-        ids = view.tolist()
-        ops.append(("insert", self.namespace_key(seq.namespace), parent, keys, ids))
-        publishing.append((seq, start, ids))
-
-    def _apply_published(self, publishing: list, results: list) -> None:
-        marked: list[int] = []
-        for (seq, start, ids), done in zip(publishing, results):
-            if done:
-                marked.extend(ids[:done])
-            seq.num_published = start + done
-            if done < len(ids):
-                seq.publish_stopped = True
-            if seq.prompt_keys and (seq.publish_stopped or seq.num_published >= len(seq.prompt_keys)):
-                # Every prompt block is published (or never will be): drop the keys
-                # now, while they are hot, rather than one object per block at free.
-                seq.prompt_keys = _NO_KEYS
-        if marked:
-            self.pool.mark_published(marked)
-
-    def _evictable(self, protected: dict[int, int]) -> int:
-        """Cached blocks eviction may take now (the ``protected`` prefix hits excluded)."""
-        pool = self.pool
-        return pool.num_cached - sum(1 for b in protected if pool.state(b) == CACHED)
-
-    def _make_room(self, need: int, total: int, protected: PendingHits, out: StepOutcome, own: int = 0) -> TreeGen:
-        """Ensure ``need`` free blocks for one sequence, evicting if needed; return an error instead if impossible.
-
-        ``total`` is the blocks the sequence will hold in all: more than the
-        shard has can never be served (:class:`RequestTooLarge`). ``own`` is
-        the blocks earmarked for this sequence: it may take those and the
-        free blocks no reservation holds.
-        """
-        pool = self.pool
-        if total > pool.num_blocks:
-            return RequestTooLarge(total, pool.num_blocks)
-        held = self.num_reserved - own  # earmarked for other sequences
-        if need <= pool.num_free - held:
-            return None
-        evictable = self._evictable(protected.blocks())
-        if need > pool.num_free - held + evictable:
-            self.counters.pool_exhausted += 1
-            return PoolExhausted(need, pool.num_free - held, evictable)
-        out.evicted_blocks += yield from self._evict(need - pool.num_free + held, protected.blocks())
-        if need > pool.num_free - held:
-            # Cached blocks above a published block that a pending copy still
-            # pins cannot be evicted (only leaves can) until the copy has run.
-            self.counters.pool_exhausted += 1
-            return PoolExhausted(need, pool.num_free - held, (yield from self.evictable_now()))
-        return None
-
-    def fork_room(self, forks) -> TreeGen:
-        """Check that the copy-on-write blocks ``forks`` must earmark fit now; return their rows.
-
-        Exact, so that a step validated on every shard (``Validate`` asks
-        this too) cannot fail on one shard after another shard applied its
-        part: the blocks must be among the unreserved free blocks plus the
-        cached blocks an eviction pass can take now (:meth:`evictable_now`).
-        Changes nothing but the ``pool_exhausted`` counter.
-
-        Args:
-            forks: ``(parent_id, child_ids)`` pairs of validated live parents.
-
-        Returns:
-            The parent rows to earmark a block for (see
-            :func:`~akv.core.reservation.fork_earmarks`).
-
-        Raises:
-            PoolExhausted: They do not fit (the step must be refused whole).
-        """
-        earmarks = fork_earmarks(self.tables, [self.sequences[p].row for p, _ in forks], self.block_size)
-        free = self.pool.num_free - self.num_reserved
-        if len(earmarks) > free:
-            evictable = yield from self.evictable_now()
-            if len(earmarks) > free + evictable:
-                self.counters.pool_exhausted += 1
-                raise PoolExhausted(len(earmarks), free, evictable)
-        return earmarks
-
-    def evictable_now(self) -> TreeGen:
-        """Cached blocks an eviction pass could take now (reads the tree; changes nothing).
-
-        All cached blocks but those above a published block that only a
-        pending copy still holds: the tree evicts only leaves, so they wait
-        for the copy. (A referenced block's ancestors are referenced too: the
-        same block table holds them.) One tree message, only while such a
-        pinned block exists; O(pins + their depth).
-
-        Returns:
-            The number of cached blocks (``int``) :meth:`_evict` can reclaim.
-        """
-        pool = self.pool
-        pinned = pool.pinned_published()
-        if not pinned:
-            return pool.num_cached
-        (above,) = yield [("ancestors", pinned)]
-        return pool.num_cached - sum(1 for b in above if pool.state(b) == CACHED)
-
-    def _room_for_earmarks(self, num_blocks: int) -> TreeGen:
-        """Evict until ``num_blocks`` unreserved free blocks exist (:meth:`fork_room` found them); return the blocks evicted."""
-        pool = self.pool
-        short = num_blocks - (pool.num_free - self.num_reserved)
-        evicted = (yield from self._evict(short, frozenset())) if short > 0 else 0
-        if num_blocks > pool.num_free - self.num_reserved:
-            raise AssertionError(
-                f"shard {self.shard_index}: fork earmarks of {num_blocks} blocks checked to fit, "
-                f"but {pool.num_free - self.num_reserved} unreserved free after evicting {evicted}"
-            )
-        return evicted
-
-    def room(self, seq_id: Hashable, num_tokens: int) -> TreeGen:
-        """Blocks ``seq_id`` needs to append ``num_tokens`` tokens, and the room there is for them (changes nothing).
-
-        Args:
-            seq_id: A live sequence.
-            num_tokens: Tokens to append (>= 1).
-
-        Returns:
-            ``(need, free, evictable)``: new blocks plus a copy-on-write copy
-            of a shared partial tail; free blocks this sequence may take (the
-            unreserved ones plus its own earmark); cached blocks an eviction
-            pass could take now (:meth:`evictable_now`). There is room when
-            ``need <= free + evictable``.
-
-        Raises:
-            UnknownSequence: Not live.
-            RequestTooLarge: The sequence would hold more blocks than the shard.
-        """
-        seq, pool, bs = self.get(seq_id), self.pool, self.block_size
-        row = seq.row
-        start = int(self.tables.num_tokens[row])
-        total = -(-(start + num_tokens) // bs)
-        if total > pool.num_blocks:
-            raise RequestTooLarge(total, pool.num_blocks)
-        tail = start % bs != 0 and pool.refcount(seq.block_ids.last()) > 1
-        own = row_reserved(self.tables, row, bs) if self.num_reserved_seqs else 0
-        evictable = yield from self.evictable_now()
-        return total - len(seq.block_ids) + tail, pool.num_free - self.num_reserved + own, evictable
-
-    def _evict_for_admissions(self, admits: list, matches: dict[int, list[int]], protected: PendingHits) -> TreeGen:
-        """Evict the whole step's admission shortfall in one pass; return the blocks evicted.
-
-        The admissions would otherwise each evict their own shortfall (one
-        eviction pass, with its tree message, per admission). The victims are
-        the same blocks in the same order: allocations add nothing to the
-        eviction order and every pending hit is protected either way. Does
-        nothing unless the whole shortfall can be met (then some admission
-        will be rejected, and the per-admission path decides which); an
-        admission larger than the shard is left out of the count.
-        """
-        bs, pool = self.block_size, self.pool
-        need = 0
-        for i, adm in enumerate(admits):
-            length = len(adm.prompt)
-            total = -(-length // bs)
-            reserve = admission_reserve(length, adm.max_new_tokens, bs)
-            if total + reserve <= pool.num_blocks:
-                need += total + reserve - min(len(matches.get(i, ())), (length - 1) // bs)
-        short = need - (pool.num_free - self.num_reserved)
-        if short <= 0 or short > self._evictable(protected.blocks()):
-            return 0
-        evicted = yield from self._evict(short, protected.blocks())
-        return evicted
-
-    def _evict(self, num_blocks: int, protected) -> TreeGen:
-        """Evict cached leaves in policy order; blocks the tree refuses go to the evict-last end.
-
-        A cached block can stand above a block that is not evictable yet (a
-        published block that a pending copy still pins); the tree refuses such
-        a non-leaf, and it waits at the evict-last end. The loop ends when
-        every cached block was refused once since the last removal.
-        """
-        evicted = 0
-        untried = self.pool.num_cached
-        while evicted < num_blocks and untried > 0:
-            victims = self.pool.evict_begin(min(num_blocks - evicted, untried), protected)
-            if not victims:
-                break
-            untried -= len(victims)
-            ((removed, refused),) = yield [("remove", victims)]
-            self.pool.evict_finish(removed)
-            evicted += len(removed)
-            if refused:
-                self.pool.evict_abort(refused, to_mru=True)
-                self.counters.eviction_refusals += len(refused)
-            if removed:  # a removal can turn a refused parent into a leaf: try everything again
-                untried = self.pool.num_cached
-        if evicted:
-            self.counters.blocks_evicted += evicted
-            self.counters.eviction_batches += 1
-        return evicted
-
-    def _fill_metadata(self, out: StepOutcome, decoded, sched: list[tuple[int, int, int]]) -> None:
-        """Block tables, context lengths and slot mapping of the scheduled rows, vectorized.
-
-        ``slot = block_table[row, pos // block_size] * block_size + pos % block_size``
-        for every new token, computed for the whole batch at once (the decode
-        path has computed its slots already).
-        """
-        bs, tables = self.block_size, self.tables
-        if decoded is not None and not sched:  # a pure decode step
-            _, rows, pos, slots = decoded
-            batch = len(rows)
-            out.block_tables = tables.gather(rows, int(tables.lens[rows].max()))
-            out.context_lens = (pos + 1).astype(np.int32)
-            out.query_start_loc = np.arange(batch + 1, dtype=np.int32)
-            out.slot_mapping = slots
-            return
-        extra = np.array(sched, dtype=np.int64).reshape(-1, 3)
-        if decoded is not None:
-            _, drows, dpos, _ = decoded
-            rows = np.concatenate([drows, extra[:, 0]])
-            starts = np.concatenate([dpos, extra[:, 1]])
-            lens = np.concatenate([np.ones(len(drows), dtype=np.int64), extra[:, 2]])
-        else:
-            rows, starts, lens = extra[:, 0], extra[:, 1], extra[:, 2]
-        batch = len(rows)
-        if not batch:
-            out.block_tables, out.context_lens, out.query_start_loc, out.slot_mapping = empty_metadata()
-            return
-        tab = tables.gather(rows, int(tables.lens[rows].max()))
-        qsl = np.zeros(batch + 1, dtype=np.int64)
-        np.cumsum(lens, out=qsl[1:])
-        total = int(qsl[-1])
-        if total == batch:  # one new token per row
-            row_of, pos = np.arange(batch), starts
-        else:
-            row_of = np.repeat(np.arange(batch), lens)
-            pos = starts[row_of] + (np.arange(total) - qsl[row_of])
-        out.block_tables = tab
-        out.context_lens = (starts + lens).astype(np.int32)
-        out.query_start_loc = qsl.astype(np.int32)
-        out.slot_mapping = tab[row_of, pos // bs].astype(np.int64) * bs + pos % bs
-
-    # ------------------------------------------------------------- checking
-    def check_counters(self) -> None:
-        """Cheap conservation check (O(1)).
-
-        Raises:
-            AssertionError: States do not add up to the shard's blocks, or the
-                refcount total differs from the block-table references.
-        """
-        pool = self.pool
-        total = pool.num_free + pool.num_active + pool.num_cached + pool.num_in_flight
-        if total != pool.num_blocks:
-            raise AssertionError(f"shard {self.shard_index}: block states add up to {total}, not {pool.num_blocks}")
-        if not 0 <= self.num_reserved <= pool.num_free:
-            raise AssertionError(
-                f"shard {self.shard_index}: {self.num_reserved} reserved of {pool.num_free} free blocks"
-            )
-        if pool.total_refs != self.table_refs:
-            raise AssertionError(
-                f"shard {self.shard_index}: refcounts total {pool.total_refs} but block tables hold {self.table_refs}"
-            )
-
-    def _check_reservations(self) -> None:
-        """The earmarks of live rows add up to ``num_reserved`` (see :mod:`akv.core.reservation`)."""
-        rows = np.array([seq.row for seq in self.sequences.values()], dtype=np.intp)
-        reserved = int(reserved_blocks(self.tables, rows, self.block_size).sum())
-        if reserved != self.num_reserved:
-            raise AssertionError(f"live rows earmark {reserved} blocks but num_reserved is {self.num_reserved}")
-        seqs = int(np.count_nonzero(self.tables.max_tokens[rows]))
-        if seqs != self.num_reserved_seqs:
-            raise AssertionError(
-                f"{seqs} live rows have a reservation but num_reserved_seqs is {self.num_reserved_seqs}"
-            )
-
-    def _check_null_block(self, tree_block_ids) -> None:
-        """Nothing points at the null block but padding: no shard owns it, no table or tree holds it."""
-        null, tables = self.null_block_id, self.tables
-        if self.pool.owns(null):
-            raise AssertionError(f"the null block {null} is one of the shard's blocks")
-        rows = np.array([seq.row for seq in self.sequences.values()], dtype=np.intp)
-        if len(rows):
-            entries = tables.array[rows]
-            held = np.arange(entries.shape[1]) < tables.lens[rows][:, None]
-            if (entries[held] == null).any():
-                raise AssertionError(f"a block table holds the null block {null}")
-            if (entries[~held] != null).any():
-                raise AssertionError(f"a block table is padded with something else than the null block {null}")
-        if tree_block_ids is not None and null in set(tree_block_ids):
-            raise AssertionError(f"the null block {null} is in the prefix cache")
-
-    def check(self, tree_block_ids=None) -> None:
-        """Full consistency check (O(blocks + tokens)).
-
-        Args:
-            tree_block_ids: Every block id in the prefix tree (all shards), to
-                check that exactly the published blocks of this shard are in it.
-
-        Raises:
-            AssertionError: Naming the first inconsistency found.
-        """
-        self.check_counters()
-        self.pool.check()
-        self._check_null_block(tree_block_ids)
-        bs = self.block_size
-        refs: dict[int, int] = {}
-        if self.rows != {sid: seq.row for sid, seq in self.sequences.items()}:
-            raise AssertionError("the id -> row map disagrees with the live sequences")
-        for seq in self.sequences.values():
-            if len(seq.block_ids) != -(-seq.num_tokens // bs):
-                raise AssertionError(
-                    f"sequence {seq.seq_id!r}: {len(seq.block_ids)} blocks for {seq.num_tokens} tokens"
-                )
-            for b in seq.block_ids.tolist():
-                refs[b] = refs.get(b, 0) + 1
-        self._check_reservations()
-        for b, r in refs.items():
-            if self.pool.refcount(b) != r:
-                raise AssertionError(f"block {b}: refcount {self.pool.refcount(b)} but {r} block-table references")
-        if tree_block_ids is not None:
-            mine = [b for b in tree_block_ids if self.pool.owns(b)]
-            for b in mine:
-                if not self.pool.is_published(b):
-                    raise AssertionError(f"block {b}: in the prefix cache but not marked published")
-            published = self.pool.num_published
-            if published != len(mine):
-                raise AssertionError(f"{published} blocks marked published but {len(mine)} in the prefix cache")

@@ -138,6 +138,12 @@ class StepOutcome:
         copy_seq_ids: The sequence whose append caused each pair of ``copies``.
         freed: Sequence ids actually freed (known ones).
         evicted_blocks: Blocks evicted on demand during this step.
+        stored_block_ids: Blocks this step added to the prefix cache (newly
+            published), in insertion order.
+        removed_block_ids: Blocks this step's evictions removed from the
+            prefix cache, in removal order. A block removed and then reused
+            and published in the same step is in both lists; no block stored
+            is removed in the same step (it is referenced).
     """
 
     seq_ids: list = field(default_factory=list)
@@ -151,6 +157,8 @@ class StepOutcome:
     copy_seq_ids: list = field(default_factory=list)
     freed: list = field(default_factory=list)
     evicted_blocks: int = 0
+    stored_block_ids: list = field(default_factory=list)
+    removed_block_ids: list = field(default_factory=list)
 
 
 def empty_metadata() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant
 
 from akv.core.block_pool import ACTIVE, CACHED, FREE
 from akv.core.radix_tree import RadixTree, block_keys
-from akv.core.shard_state import ShardCounters, ShardState, drive
+from akv.core.shard_state import ShardCounters, ShardState
 from akv.core.step import StepOutcome, StepRequest
 from akv.errors import PoolExhausted, RequestTooLarge
 
@@ -75,7 +75,6 @@ class ShardMachineBase(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.shard = self.make_shard()
-        self.tree = self.make_tree()
         self.model: dict[Hashable, ModelSequence] = {}
         self.published: dict[tuple[Hashable, tuple[int, ...]], int] = {}
         self.dead: list[Hashable] = ["never-added"]
@@ -86,12 +85,18 @@ class ShardMachineBase(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ factories
     def make_shard(self) -> ShardState:
-        """The shard under test."""
-        return ShardState(0, range(self.first_block_id, self.first_block_id + self.num_blocks), self.block_size)
+        """The shard under test, owning the tree of :meth:`make_tree`."""
+        blocks = range(self.first_block_id, self.first_block_id + self.num_blocks)
+        return ShardState(0, blocks, self.block_size, tree=self.make_tree())
 
     def make_tree(self) -> RadixTree:
-        """The prefix tree the shard's generators are driven against."""
+        """The prefix tree the shard under test owns."""
         return RadixTree()
+
+    @property
+    def tree(self) -> RadixTree:
+        """The prefix tree of the shard under test."""
+        return self.shard.tree
 
     # -------------------------------------------------------------- helpers
     def _fresh_blocks(self, n: int) -> list[int]:
@@ -104,7 +109,9 @@ class ShardMachineBase(RuleBasedStateMachine):
         return f"s{self._next_id}"
 
     def _step(self, **kw: Any) -> StepOutcome:
-        out = drive(self.shard.step(StepRequest(**kw)), self.tree)
+        before = set(self.tree.block_ids())
+        out = self.shard.step(StepRequest(**kw))
+        self._check_cache_changes(before, out)
         if out.copies:
             pins = [b for pair in out.copies for b in pair]
             if self.hold_copies:
@@ -112,6 +119,17 @@ class ShardMachineBase(RuleBasedStateMachine):
             else:  # the copies ran: release their source and destination pins
                 self.shard.release_copy_pins(pins)
         return out
+
+    def _check_cache_changes(self, before: set[int], out: StepOutcome) -> None:
+        """The step's stored and removed block ids are exactly how the tree changed from ``before``."""
+        stored, removed = out.stored_block_ids, out.removed_block_ids
+        assert len(set(stored)) == len(stored), f"a block stored twice: {stored}"
+        assert len(set(removed)) == len(removed), f"a block removed twice: {removed}"
+        assert set(removed) <= before, f"removed {sorted(set(removed) - before)}, not in the prefix cache"
+        kept = before - set(removed)
+        assert kept.isdisjoint(stored), f"stored {sorted(kept & set(stored))}, already in the prefix cache"
+        assert kept | set(stored) == set(self.tree.block_ids()), "stored/removed block ids differ from the tree diff"
+        assert len(removed) == out.evicted_blocks
 
     def _pinned(self) -> set[int]:
         return {b for pins in self.pending for b in pins}
@@ -226,8 +244,7 @@ class ShardMachineBase(RuleBasedStateMachine):
 
     @invariant()
     def shard_and_tree_are_consistent(self) -> None:
-        self.tree.check()
-        self.shard.check(self.tree.block_ids())
+        self.shard.check()
 
     @invariant()
     def sequences_match_the_model(self) -> None:

@@ -1,9 +1,8 @@
 """Stateful property test of one pool shard: ShardState against a plain-Python model.
 
-The machine drives :meth:`ShardState.step <akv.core.shard_state.ShardState.step>`
-and :meth:`ShardState.evict <akv.core.shard_state.ShardState.evict>` synchronously
-with :func:`~akv.core.shard_state.drive` against a local
-:class:`~akv.core.radix_tree.RadixTree`, one scheduler operation per rule, and
+The machine calls :meth:`ShardState.step <akv.core.shard_state.ShardState.step>`
+and :meth:`ShardState.evict <akv.core.shard_state.ShardState.evict>` of a shard
+that owns its :class:`~akv.core.radix_tree.RadixTree`, one scheduler operation per rule, and
 keeps a model beside them (the zarr-python pattern: every rule applies to both,
 every ``@invariant`` compares them, ``note()`` makes a shrunk failure read as a
 script).
@@ -42,7 +41,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 
 from akv.core.block_pool import CACHED, IN_FLIGHT
-from akv.core.shard_state import drive
 from akv.core.step import Admit, StepRequest
 from akv.errors import DuplicateSequence, InvalidInput, UnknownSequence
 from akv.testing.shard_checks import NAMESPACES, PREFIXES, ModelSequence, ShardMachineBase, ceil_div
@@ -266,14 +264,13 @@ class ShardStateMachine(ShardMachineBase):
         )
         frees = [*live, live[0], data.draw(st.sampled_from(self.dead), label="dead")]
         frees = data.draw(st.permutations(frees), label="order")
-        one_by_one = copy.deepcopy((self.shard, self.tree))
+        shard = copy.deepcopy(self.shard)
         out = self._step(frees=frees, want_metadata=False)
         expected = list(dict.fromkeys(x for x in frees if x in self.model))
         note(f"free {frees} in one step -> {out.freed}")
         assert out.freed == expected
-        shard, tree = one_by_one
         for sid in frees:
-            drive(shard.step(StepRequest(frees=[sid], want_metadata=False)), tree)
+            shard.step(StepRequest(frees=[sid], want_metadata=False))
         pool, ref = self.shard.pool, shard.pool
         assert pool.counts() == ref.counts()
         assert pool.eviction_order() == ref.eviction_order(), "batched free released blocks in another order"
@@ -297,7 +294,7 @@ class ShardStateMachine(ShardMachineBase):
             for b in self.tree.path(p)[:-1]
             if pool.state(b) == CACHED
         }
-        evicted = drive(self.shard.evict(max_blocks), self.tree)
+        evicted = self.shard.evict(max_blocks)
         note(f"evict up to {max_blocks} of {cached} cached ({len(blocked)} blocked) -> {evicted}")
         expected = min(max_blocks, cached - len(blocked))
         assert evicted == expected, f"evicted {evicted} of {cached} cached, {len(blocked)} blocked (asked {max_blocks})"

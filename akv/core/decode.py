@@ -1,0 +1,241 @@
+"""Appending tokens: the vectorized decode path, copy-on-write and step metadata (part of :class:`~akv.core.shard_state.ShardState`).
+
+A batch of one-token appends whose new blocks and copies fit in the free
+blocks takes :meth:`ShardAppends._decode`: a few numpy operations over the
+batch's rows. :meth:`ShardAppends._fill_metadata` builds the block tables,
+context lengths and slot mapping of the scheduled rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import numpy as np
+
+from akv.core.reservation import row_reserved
+from akv.core.step import StepOutcome, empty_metadata
+
+
+class ShardAppends:
+    """Appends and metadata; a mixin of :class:`~akv.core.shard_state.ShardState` (uses its attributes)."""
+
+    __slots__ = ()
+
+    def _append(self, req, checked, protected, out: StepOutcome, sched_ids: list, sched: list) -> tuple | None:
+        """Append phase: the vectorized decode path when it applies, else :meth:`_append_general`.
+
+        A batch of one-token appends whose new blocks do not fit in the free
+        blocks evicts the shortfall in one pass (instead of per sequence on
+        the general path) and takes the vectorized path after all.
+
+        Returns:
+            What :meth:`_decode` returns for the batch, or None when the
+            general path appended (its rows are added to ``sched_ids`` and
+            ``sched``; rejected appends to ``out.rejected``).
+        """
+        decoded = None
+        if checked.single_appends:
+            decoded = self._decode(req.appends, out, req.commits, checked.commit_rows)
+            if decoded is None and self._decode_shortfall <= self._evictable(protected.blocks()):
+                self._evict(self._decode_shortfall, protected.blocks(), out)
+                decoded = self._decode(req.appends, out, req.commits, checked.commit_rows)
+        if decoded is None:
+            self._append_general(req.appends, protected, out, sched_ids, sched)
+        return decoded
+
+    def _append_general(self, appends, protected, out: StepOutcome, sched_ids: list, sched: list) -> None:
+        """Append each sequence's tokens in order, evicting or rejecting per sequence (all-or-nothing each)."""
+        bs, seqs, pool, tables = self.block_size, self.sequences, self.pool, self.tables
+        for seq_id, tokens in appends.items():
+            seq = seqs[seq_id]
+            blocks = seq.block_ids
+            row = blocks.row
+            start = int(tables.num_tokens[row])
+            single = type(tokens) is int
+            k = 1 if single else len(tokens)
+            tail = start % bs != 0 and pool.refcount(blocks.last()) > 1
+            total = (start + k + bs - 1) // bs
+            need = total - len(blocks) + tail
+            own = row_reserved(tables, row, bs) if self.num_reserved_seqs else 0
+            if need > pool.num_free - self.num_reserved + own or total > pool.num_blocks:
+                err = self._make_room(need, total, protected, out, own)
+                if err is not None:
+                    out.rejected[seq_id] = err
+                    continue
+            if tail:
+                self._copy_on_write(seq_id, row, out)
+                need -= 1
+            if need:
+                blocks.extend(pool.allocate(need))
+                self.table_refs += need
+                self.counters.blocks_allocated += need
+            tables.shared_tail[row] = False
+            if own:
+                tables.cow_reserved[row] = False
+                self.num_reserved += row_reserved(tables, row, bs) - own
+            self._write_tokens(row, start, np.array([tokens], dtype=np.int32) if single else tokens)
+            tables.num_tokens[row] = start + k
+            sched_ids.append(seq_id)
+            sched.append((row, start, k))
+
+    def _decode(
+        self, appends, out: StepOutcome, commits=None, commit_rows: np.ndarray | None = None
+    ) -> tuple[list, np.ndarray, np.ndarray, np.ndarray] | None:
+        """The vectorized decode path: one ``int`` token for each sequence of ``appends``.
+
+        Returns ``(seq_ids, rows, positions, slots)`` (int arrays of shape
+        ``(batch,)``), or None without changing anything when the batch's new
+        blocks and copies do not fit in the free blocks (the shortfall is left
+        in ``_decode_shortfall``; the step then evicts it in one pass, or the
+        general path evicts or rejects per sequence).
+
+        ``commits`` and ``commit_rows`` (the step's validated commits and their
+        rows) save looking the rows up again when the appends start with the
+        same sequences in the same order, as a decode loop's do.
+        """
+        values = appends.values()
+        bs, pool, tables = self.block_size, self.pool, self.tables
+        n = len(appends)
+        ids = list(appends)
+        k = len(commits) if commit_rows is not None else 0
+        if k and k <= n and ids[:k] == list(commits):  # a decode loop commits and appends the same rows
+            rest = np.fromiter(map(self.rows.__getitem__, ids[k:]), dtype=np.intp, count=n - k)
+            rows = commit_rows if k == n else np.concatenate((commit_rows, rest))
+        else:
+            rows = np.fromiter(map(self.rows.__getitem__, ids), dtype=np.intp, count=n)
+        pos = tables.num_tokens[rows]
+        new_block = pos % bs == 0
+        maybe_shared = np.flatnonzero(tables.shared_tail[rows] & ~new_block).tolist()
+        num_new = int(np.count_nonzero(new_block))
+        released = 0  # earmarked blocks this batch takes or gives back
+        if self.num_reserved_seqs:
+            # A row allocates at most one block (a new block or a copy); a row
+            # with an earmark takes it from there, the others from the free
+            # blocks no reservation holds. Afterwards every row's copy earmark
+            # is gone (used or, its tail written in place, given back) and each
+            # new block of a row with earmarked blocks came out of them.
+            ahead = np.maximum(-(-tables.max_tokens[rows] // bs) - tables.lens[rows], 0) > 0
+            cow = tables.cow_reserved[rows]
+            released = int(np.count_nonzero(new_block & ahead)) + int(np.count_nonzero(cow))
+            short = self._decode_short(
+                rows,
+                [i for i in maybe_shared if not cow[i]],
+                int(np.count_nonzero(new_block & ~ahead)),
+                pool.num_free - self.num_reserved,
+            )
+        else:
+            short = self._decode_short(rows, maybe_shared, num_new, pool.num_free)
+        if short:
+            self._decode_shortfall = short
+            return None
+        for i in maybe_shared:  # in order: the last holder of a shared tail writes in place
+            r = int(rows[i])
+            if pool.refcount(tables.last_block(r)) > 1:
+                self._copy_on_write(ids[i], r, out)
+        if num_new:
+            grow = rows[new_block]
+            cols = pos[new_block] // bs
+            tables.ensure_cols(int(cols[-1] if num_new == 1 else cols.max()) + 1)
+            tables.array[grow, cols] = pool.allocate(num_new)
+            tables.lens[grow] += 1
+            self.table_refs += num_new
+            self.counters.blocks_allocated += num_new
+        tables.shared_tail[rows] = False
+        if released:
+            tables.cow_reserved[rows] = False
+            self.num_reserved -= released
+        slots = tables.array[rows, pos // bs].astype(np.int64) * bs + pos % bs
+        self._flat_tokens[slots - self._first_slot] = np.fromiter(values, dtype=np.int64, count=n)
+        tables.num_tokens[rows] = pos + 1
+        return ids, rows, pos, slots
+
+    def _decode_short(self, rows: np.ndarray, shared: list[int], num_new: int, free: int) -> int:
+        """Blocks a decode batch lacks: ``num_new`` new blocks plus the copies of ``shared`` rows, against ``free``."""
+        if num_new + len(shared) <= free:  # at most one copy per flagged row
+            return 0
+        # Exact copies: rows copy in order while their tail is still shared,
+        # so a tail held R times by k rows of the batch is copied min(k, R - 1) times.
+        pool, tables = self.pool, self.tables
+        holders: dict[int, int] = {}
+        for i in shared:
+            b = tables.last_block(int(rows[i]))
+            holders[b] = holders.get(b, 0) + 1
+        copies = sum(min(k, pool.refcount(b) - 1) for b, k in holders.items())
+        return max(0, num_new + copies - free)
+
+    def _copy_on_write(self, seq_id: Hashable, row: int, out: StepOutcome) -> None:
+        """Give ``row`` a private copy of its shared partial tail block (K/V copy queued in ``out``)."""
+        pool, tables = self.pool, self.tables
+        col = int(tables.lens[row]) - 1
+        old = int(tables.array[row, col])
+        (new,) = pool.allocate(1)
+        tables.array[row, col] = new
+        pool.pin_for_copy((old, new))  # neither may be reused before the copy ran
+        pool.decref((old,))
+        base = pool.first_block_id
+        self.block_tokens[new - base] = self.block_tokens[old - base]
+        out.copies.append((old, new))
+        out.copy_seq_ids.append(seq_id)
+        self.counters.cow_copies += 1
+        self.counters.blocks_allocated += 1
+
+    def _write_tokens(self, row: int, start: int, tokens: np.ndarray) -> None:
+        """Store ``tokens`` at positions ``start..`` of ``row`` (its blocks must exist)."""
+        k = len(tokens)
+        if not k:
+            return
+        bs = self.block_size
+        if start % bs == 0:  # an admission after its prefix hits: whole blocks, then a partial one
+            full, rem = divmod(k, bs)
+            first = start // bs
+            offsets = self.tables.array[row, first : first + full + (rem > 0)] - self.pool.first_block_id
+            if full:
+                self.block_tokens[offsets[:full]] = tokens[: full * bs].reshape(full, bs)
+            if rem:
+                self.block_tokens[offsets[full], :rem] = tokens[full * bs :]
+            return
+        pos = np.arange(start, start + k)
+        slots = self.tables.array[row, pos // bs].astype(np.int64) * bs + pos % bs
+        self._flat_tokens[slots - self._first_slot] = tokens
+
+    def _fill_metadata(self, out: StepOutcome, decoded, sched: list[tuple[int, int, int]]) -> None:
+        """Block tables, context lengths and slot mapping of the scheduled rows, vectorized.
+
+        ``slot = block_table[row, pos // block_size] * block_size + pos % block_size``
+        for every new token, computed for the whole batch at once (the decode
+        path has computed its slots already).
+        """
+        bs, tables = self.block_size, self.tables
+        if decoded is not None and not sched:  # a pure decode step
+            _, rows, pos, slots = decoded
+            batch = len(rows)
+            out.block_tables = tables.gather(rows, int(tables.lens[rows].max()))
+            out.context_lens = (pos + 1).astype(np.int32)
+            out.query_start_loc = np.arange(batch + 1, dtype=np.int32)
+            out.slot_mapping = slots
+            return
+        extra = np.array(sched, dtype=np.int64).reshape(-1, 3)
+        if decoded is not None:
+            _, drows, dpos, _ = decoded
+            rows = np.concatenate([drows, extra[:, 0]])
+            starts = np.concatenate([dpos, extra[:, 1]])
+            lens = np.concatenate([np.ones(len(drows), dtype=np.int64), extra[:, 2]])
+        else:
+            rows, starts, lens = extra[:, 0], extra[:, 1], extra[:, 2]
+        batch = len(rows)
+        if not batch:
+            out.block_tables, out.context_lens, out.query_start_loc, out.slot_mapping = empty_metadata()
+            return
+        tab = tables.gather(rows, int(tables.lens[rows].max()))
+        qsl = np.zeros(batch + 1, dtype=np.int64)
+        np.cumsum(lens, out=qsl[1:])
+        total = int(qsl[-1])
+        if total == batch:  # one new token per row
+            row_of, pos = np.arange(batch), starts
+        else:
+            row_of = np.repeat(np.arange(batch), lens)
+            pos = starts[row_of] + (np.arange(total) - qsl[row_of])
+        out.block_tables = tab
+        out.context_lens = (starts + lens).astype(np.int32)
+        out.query_start_loc = qsl.astype(np.int32)
+        out.slot_mapping = tab[row_of, pos // bs].astype(np.int64) * bs + pos % bs

@@ -1,0 +1,143 @@
+"""Publishing committed full blocks to the prefix tree (part of :class:`~akv.core.shard_state.ShardState`).
+
+A step queues the blocks its commits (and ``prefill_done`` admissions) have
+filled in a :class:`PendingPublish` and inserts them together, in queue order,
+before the next tree match that could hit them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from akv.core.checks import Checked
+from akv.core.radix_tree import block_keys
+from akv.core.sequence import Sequence
+from akv.core.step import StepOutcome
+
+_NO_KEYS: tuple[bytes, ...] = ()  # Sequence.prompt_keys once every prompt block is published
+
+
+class PendingPublish:
+    """Committed full blocks queued for the prefix tree, inserted together by ``ShardState._publish``.
+
+    Attributes:
+        entries: ``(sequence, first block index, block ids)`` per queued
+            insert, in queue order: the multi-block inserts, then the
+            one-block ones.
+        inserts: ``(namespace key, parent block id | None, keys, block ids)``
+            arguments of :meth:`~akv.core.radix_tree.RadixTree.insert`, one
+            per multi-block entry.
+        singles: ``(namespace key, parent block id | None, key, block id)``
+            items of one :meth:`~akv.core.radix_tree.RadixTree.insert_blocks`
+            call, one per one-block entry.
+    """
+
+    __slots__ = ("entries", "inserts", "singles")
+
+    def __init__(self) -> None:
+        self.entries: list = []
+        self.inserts: list = []
+        self.singles: list = []
+
+    def clear(self) -> None:
+        """Forget the queued inserts (they were applied)."""
+        self.entries.clear()
+        self.inserts.clear()
+        self.singles.clear()
+
+
+class ShardPublishing:
+    """Commit and publish; a mixin of :class:`~akv.core.shard_state.ShardState` (uses its attributes)."""
+
+    __slots__ = ()
+
+    def _commit(self, commits, checked: Checked, publishing: PendingPublish) -> None:
+        """Add committed token counts (vectorized); queue the publishing of newly full blocks."""
+        ids = list(commits)
+        rows, add = checked.commit_rows, checked.commit_counts
+        computed = self.tables.num_computed
+        old = computed[rows]
+        new = old + add
+        computed[rows] = new
+        if not self.enable_prefix_cache:
+            return
+        bs, seqs = self.block_size, self.sequences
+        single: list[tuple[Sequence, int]] = []  # (sequence, index of its one newly full block)
+        single_rows: list[int] = []
+        for i in np.flatnonzero(new // bs > old // bs).tolist():
+            seq = seqs[ids[i]]
+            full = int(new[i]) // bs
+            if seq.publish_stopped or full <= seq.num_published:
+                continue
+            if full == seq.num_published + 1:  # the decode case: one block just filled
+                single.append((seq, full - 1))
+                single_rows.append(int(rows[i]))
+            else:
+                self._queue_publish(seq, publishing)
+        if single:
+            self._queue_publish_single(single, single_rows, publishing)
+
+    def _queue_publish_single(self, single: list, rows: list[int], publishing: PendingPublish) -> None:
+        """Queue the publishing of each sequence's one newly full block: one tree call, keys cut from one gather."""
+        tables = self.tables
+        cols = np.fromiter((c for _, c in single), dtype=np.intp, count=len(single))
+        r = np.array(rows, dtype=np.intp)
+        blocks = tables.array[r, cols]
+        parents = tables.array[r, np.maximum(cols - 1, 0)].tolist()
+        raw = self.block_tokens[blocks.astype(np.intp) - self.pool.first_block_id].tobytes()
+        width = 4 * self.block_size
+        shard = self.shard_index
+        items, entries = publishing.singles, publishing.entries
+        for j, ((seq, col), block) in enumerate(zip(single, blocks.tolist())):
+            items.append(((shard, seq.namespace), parents[j] if col else None, raw[j * width : (j + 1) * width], block))
+            entries.append((seq, col, [block]))
+
+    def _queue_publish(self, seq: Sequence, publishing: PendingPublish) -> None:
+        """Queue the publishing of ``seq``'s committed full blocks not published yet (one tree insert)."""
+        if not self.enable_prefix_cache or seq.publish_stopped:
+            return
+        bs = self.block_size
+        full = min(seq.num_computed // bs, len(seq.block_ids))
+        start = seq.num_published
+        if full <= start:
+            return
+        parent = seq.block_ids[start - 1] if start else None
+        view = seq.block_ids.view()[start:full]
+        if full <= len(seq.prompt_keys):
+            keys = seq.prompt_keys[start:full]
+        else:
+            tokens = self.block_tokens[view.astype(np.intp) - self.pool.first_block_id].reshape(-1)
+            keys = block_keys(tokens, bs, full - start)
+        ids = view.tolist()
+        publishing.inserts.append((self.namespace_key(seq.namespace), parent, keys, ids))
+        publishing.entries.append((seq, start, ids))
+
+    def _publish(self, publishing: PendingPublish, out: StepOutcome) -> None:
+        """Insert the queued blocks into the tree, in queue order; record how far each sequence got; clear the queue.
+
+        The blocks new in the tree are appended to ``out.stored_block_ids``
+        (a queued block may be in the tree already: a fork's parent published it).
+        """
+        tree = self.tree
+        size = len(tree)
+        results = [tree.insert(ns, parent, keys, ids) for ns, parent, keys, ids in publishing.inserts]
+        if publishing.singles:
+            results.extend(tree.insert_blocks(publishing.singles))
+        marked: list[int] = []
+        for (seq, start, ids), done in zip(publishing.entries, results):
+            if done:
+                marked.extend(ids[:done])
+            seq.num_published = start + done
+            if done < len(ids):
+                seq.publish_stopped = True
+            if seq.prompt_keys and (seq.publish_stopped or seq.num_published >= len(seq.prompt_keys)):
+                # Every prompt block is published (or never will be): drop the keys
+                # now, while they are hot, rather than one object per block at free.
+                seq.prompt_keys = _NO_KEYS
+        publishing.clear()
+        if marked:
+            if len(tree) - size < len(marked):  # some were in the tree already, or queued twice
+                is_published = self.pool.is_published
+                marked = [b for b in dict.fromkeys(marked) if not is_published(b)]
+            out.stored_block_ids.extend(marked)
+            self.pool.mark_published(marked)
