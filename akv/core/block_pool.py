@@ -45,7 +45,15 @@ from collections.abc import Container, Iterable
 import numpy as np
 
 from akv.core.block_refs import ACTIVE, CACHED, FREE, IN_FLIGHT, STATE_NAMES, BlockRefs
-from akv.core.eviction_policy import EvictionPolicy, KeyedOrder, SegmentedOrder, eviction_policy, lru_key, slru_key
+from akv.core.eviction_policy import (
+    DEFAULT_EVICTION_POLICY,
+    EvictionPolicy,
+    KeyedOrder,
+    SegmentedOrder,
+    eviction_policy,
+    lru_key,
+    slru_key,
+)
 
 __all__ = ["ACTIVE", "CACHED", "FREE", "IN_FLIGHT", "STATE_NAMES", "BlockPool"]
 
@@ -87,7 +95,7 @@ class BlockPool(BlockRefs):
         "total_refs",
     )
 
-    def __init__(self, block_ids: range, *, policy: str | EvictionPolicy = "lru") -> None:
+    def __init__(self, block_ids: range, *, policy: str | EvictionPolicy = DEFAULT_EVICTION_POLICY) -> None:
         #: The eviction policy in use.
         self.policy = eviction_policy(policy)
         if block_ids.step != 1 or len(block_ids) == 0:
