@@ -65,7 +65,7 @@ class BlockPool(BlockRefs):
         block_ids: The global block ids this pool owns, e.g. ``range(0, 4096)``.
         policy: Eviction policy: a name in
             :data:`~akv.core.eviction_policy.EVICTION_POLICIES` (default
-            ``"lru"``) or an :class:`~akv.core.eviction_policy.EvictionPolicy`.
+            ``"slru"``, :data:`~akv.core.eviction_policy.DEFAULT_EVICTION_POLICY`) or an :class:`~akv.core.eviction_policy.EvictionPolicy`.
 
     Raises:
         ValueError: ``block_ids`` is empty or not contiguous, or the policy
