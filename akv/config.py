@@ -10,16 +10,74 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import numbers
+import re
+import sys
 from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
 
 import numpy as np
 
 from akv.core.block_key import KEY_FUNCTION, KEY_VERSION
 from akv.core.eviction_policy import DEFAULT_EVICTION_POLICY, EVICTION_POLICIES
+from akv.core.ids import NUMPY_INTEGER_TYPES, describe
 from akv.errors import InvalidInput
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
+
+#: Largest block count: block ids are int32 in block tables.
+MAX_NUM_BLOCKS = 2**31 - 1
+#: Largest tokens per block (the ``akv replay --block-size`` bound).
+MAX_BLOCK_SIZE = 2**16
+#: Largest vocabulary: token ids are stored as int32.
+MAX_VOCAB_SIZE = 2**31
+#: Most pool shards (one actor task each; the ``akv replay --shards`` bound).
+MAX_NUM_SHARDS = 1024
+#: Largest layer count, KV head count and head dim of a :class:`ModelShape`.
+MAX_MODEL_DIM = 2**14
+#: Device strings a config accepts: a device type, optionally ``:index``.
+DEVICE_PATTERN = re.compile(r"(cpu|cuda|mps|xpu)(:[0-9]{1,3})?")
+_FLOAT_TYPES = frozenset({float, int, Fraction, np.float16, np.float32, np.float64})
+
+
+def _int_field(owner: object, field: str, hi: int) -> None:
+    """Check ``owner.field`` is an exact int (numpy ints made int) in ``[1, hi]``, normalizing in place."""
+    value = getattr(owner, field)
+    if type(value) in NUMPY_INTEGER_TYPES:
+        value = int(value)
+        object.__setattr__(owner, field, value)  # frozen dataclass
+    if type(value) is not int or not 1 <= value <= hi:
+        raise InvalidInput(f"{field} must be a positive int (at most {hi:,}), got {describe(value)}")
+
+
+def _bool_field(owner: object, field: str) -> None:
+    """Check ``owner.field`` is a bool (``numpy.bool_`` made bool), normalizing in place."""
+    value = getattr(owner, field)
+    if type(value) is np.bool_:
+        object.__setattr__(owner, field, bool(value))
+    elif type(value) is not bool:
+        raise InvalidInput(f"{field} must be a bool, got {describe(value)}")
+
+
+def _str_field(owner: object, field: str, allowed: Any) -> str:
+    """Check ``owner.field`` is an exact str in ``allowed`` (compared only once it is a str)."""
+    value = getattr(owner, field)
+    if type(value) is not str or value not in allowed:
+        raise InvalidInput(f"{field} must be one of {', '.join(map(repr, allowed))}, got {describe(value)}")
+    return value
+
+
+def _device(value: object) -> str:
+    """The device string of a str or ``torch.device`` (exact types), checked against :data:`DEVICE_PATTERN`."""
+    torch = sys.modules.get("torch")  # a torch.device exists only once torch is imported
+    if torch is not None and type(value) is torch.device:
+        value = str(value)
+    if type(value) is not str or DEVICE_PATTERN.fullmatch(value) is None:
+        raise InvalidInput(
+            f"device must be a str such as 'cpu', 'cuda' or 'cuda:1' (types cpu, cuda, mps, xpu; "
+            f"index up to 3 digits) or a torch.device, got {describe(value)}"
+        )
+    return value
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -27,12 +85,18 @@ class ModelShape:
     """The attention shape that sizes one block of K/V.
 
     Args:
-        name: Preset name, for reports.
+        name: Preset name, for reports: an exact ``str``.
         num_layers: Attention layers (one K/V tensor each).
         num_kv_heads: Key/value heads per layer (after grouped-query sharing).
         head_dim: Elements per head.
-        dtype: Element type name: ``float32``, ``float16``, ``bfloat16`` or
-            ``float8_e4m3fn``.
+        dtype: Element type name (an exact ``str``): ``float32``, ``float16``,
+            ``bfloat16`` or ``float8_e4m3fn``.
+
+    The three sizes are exact ints (numpy integers are made ``int``) in
+    ``[1, MAX_MODEL_DIM]``.
+
+    Raises:
+        InvalidInput: A field of the wrong type or out of range.
     """
 
     name: str
@@ -42,12 +106,11 @@ class ModelShape:
     dtype: str = "float16"
 
     def __post_init__(self) -> None:
+        if type(self.name) is not str:
+            raise InvalidInput(f"name must be a str, got {describe(self.name)}")
         for field in ("num_layers", "num_kv_heads", "head_dim"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidInput(f"{field} must be a positive int, got {value!r}")
-        if self.dtype not in _DTYPE_BYTES:
-            raise InvalidInput(f"dtype must be one of {sorted(_DTYPE_BYTES)}, got {self.dtype!r}")
+            _int_field(self, field, MAX_MODEL_DIM)
+        _str_field(self, "dtype", tuple(_DTYPE_BYTES))
 
     @property
     def dtype_bytes(self) -> int:
@@ -102,8 +165,9 @@ class KVCacheConfig:
         storage: ``"tensors"`` allocates one K/V tensor per layer on
             ``device``; ``"none"`` keeps metadata only (block tables, refcounts,
             prefix cache) so real-model-sized pools can be simulated.
-        device: torch device string for the tensors (``"cpu"``, ``"cuda"``,
-            ``"cuda:1"``). Ignored when ``storage == "none"``.
+        device: torch device for the tensors: a string (``"cpu"``, ``"cuda"``,
+            ``"cuda:1"``) or a ``torch.device``, stored as a string. Checked
+            but otherwise ignored when ``storage == "none"``.
         vocab_size: Token ids must lie in ``[0, vocab_size)``.
         num_shards: Pool shards; block ids are split into contiguous ranges.
             Prefix hits are shard-local (a block lives in one device partition).
@@ -131,8 +195,20 @@ class KVCacheConfig:
             (+19 % relative at the tight pool) at LRU's O(1) cost
             (docs/benchmarks.md, "Eviction quality").
 
+    Types are exact: counts are ``int`` (numpy integers are made ``int``) in
+    ``[1, limit]`` (:data:`MAX_NUM_BLOCKS` for ``num_blocks``,
+    ``eviction_batch_blocks``, ``inbox_capacity`` and ``max_headroom_blocks``;
+    :data:`MAX_BLOCK_SIZE`, :data:`MAX_VOCAB_SIZE`, :data:`MAX_NUM_SHARDS`
+    for the others), flags are ``bool`` (``numpy.bool_`` is made ``bool``),
+    watermarks are ``float``, ``int`` or ``Fraction`` (numpy floats too;
+    stored as ``float``), names are exact ``str``, ``model`` is a :class:`ModelShape`,
+    and ``device`` is a ``str`` matching :data:`DEVICE_PATTERN` or a
+    ``torch.device`` (stored as its string). No caller object is compared,
+    hashed or handed to torch before its type is checked.
+
     Raises:
-        InvalidInput: Any field out of range (a ``ValueError`` subclass).
+        InvalidInput: Any field of the wrong type or out of range (a
+            ``ValueError`` subclass).
     """
 
     num_blocks: int
@@ -152,37 +228,41 @@ class KVCacheConfig:
     eviction_policy: str = DEFAULT_EVICTION_POLICY
 
     def __post_init__(self) -> None:
-        for field in (
-            "num_blocks",
-            "block_size",
-            "vocab_size",
-            "num_shards",
-            "eviction_batch_blocks",
-            "inbox_capacity",
-            "max_headroom_blocks",
-        ):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidInput(f"{field} must be a positive int, got {value!r}")
+        limits = {
+            "num_blocks": MAX_NUM_BLOCKS,
+            "block_size": MAX_BLOCK_SIZE,
+            "vocab_size": MAX_VOCAB_SIZE,
+            "num_shards": MAX_NUM_SHARDS,
+            "eviction_batch_blocks": MAX_NUM_BLOCKS,
+            "inbox_capacity": MAX_NUM_BLOCKS,
+            "max_headroom_blocks": MAX_NUM_BLOCKS,
+        }
+        for field, hi in limits.items():
+            _int_field(self, field, hi)
         if self.num_shards > self.num_blocks:
             raise InvalidInput(f"num_shards ({self.num_shards}) exceeds num_blocks ({self.num_blocks})")
-        if self.storage not in ("tensors", "none"):
-            raise InvalidInput(f"storage must be 'tensors' or 'none', got {self.storage!r}")
+        _bool_field(self, "enable_prefix_cache")
+        _bool_field(self, "debug_invariants")
+        _str_field(self, "storage", ("tensors", "none"))
+        if type(self.eviction_policy) is not str or self.eviction_policy not in EVICTION_POLICIES:
+            raise InvalidInput(
+                f"unknown eviction_policy {describe(self.eviction_policy)}; known: {', '.join(EVICTION_POLICIES)}"
+            )
+        device = _device(self.device)
+        if device is not self.device:
+            object.__setattr__(self, "device", device)
         for field in ("low_watermark", "high_watermark"):
             value = getattr(self, field)
-            if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
-                raise InvalidInput(f"{field} must be a real number in [0, 1], got {value!r}")
+            if type(value) not in _FLOAT_TYPES:
+                raise InvalidInput(f"{field} must be a real number in [0, 1], got {describe(value)}")
+            object.__setattr__(self, field, float(value))
         if not (0.0 <= self.low_watermark <= self.high_watermark <= 1.0):
             raise InvalidInput(
                 "watermarks must satisfy 0 <= low_watermark <= high_watermark <= 1, "
                 f"got low={self.low_watermark}, high={self.high_watermark}"
             )
-        if not isinstance(self.model, ModelShape):
+        if type(self.model) is not ModelShape:
             raise InvalidInput(f"model must be a ModelShape, got {type(self.model).__name__}")
-        if not isinstance(self.eviction_policy, str) or self.eviction_policy not in EVICTION_POLICIES:
-            raise InvalidInput(
-                f"unknown eviction_policy {self.eviction_policy!r}; known: {', '.join(EVICTION_POLICIES)}"
-            )
 
     def watermark_blocks(self, shard_blocks: int) -> tuple[float, int]:
         """The eviction loop's thresholds for a shard of ``shard_blocks`` blocks, in free blocks.

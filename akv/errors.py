@@ -95,6 +95,17 @@ class WrongTask(AkvError, RuntimeError):
     """
 
 
+class WrongExitOrder(AkvError, RuntimeError):
+    """A manager was left while a manager entered after it, in the same task, was still open.
+
+    The rule: leave managers in the reverse order of entering them (as nested
+    ``async with`` blocks or an ``AsyncExitStack`` do), because each one's
+    actors run in an anyio task group and task groups nest. The actors of the
+    manager being left are stopped all the same; leaving it again once the
+    later ones are left ends its task group.
+    """
+
+
 class ActorCrashed(AkvError, RuntimeError):
     """An actor raised an unexpected exception; the manager has failed.
 

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import operator
 import time
+import weakref
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import anyio
@@ -48,6 +50,7 @@ from akv.errors import (
     ManagerClosed,
     PoolExhausted,
     UnknownSequence,
+    WrongExitOrder,
     WrongTask,
 )
 from akv.obs.metrics import ManagerMetrics, MetricsSnapshot
@@ -56,6 +59,10 @@ from akv.results import NO_COPIES, BlockInfo, CacheStats, CopyCompletion, StepRe
 from akv.storage import CopyExecutor, KVStorage
 
 __all__ = ["Admit", "KVCacheManager"]
+
+#: Managers entered in this task (its context), oldest first, so that
+#: ``__aexit__`` can refuse to leave one while a later one is still open.
+_ENTERED: ContextVar[tuple[weakref.ref, ...]] = ContextVar("akv_entered_managers", default=())
 
 #: The manager's tasks besides the actors, by the names they are awaited under.
 _BACKGROUND = ("eviction_loop", "stream_worker")
@@ -156,6 +163,7 @@ class KVCacheManager:
         self._tasks_ended = False
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
+        _ENTERED.set((*(r for r in _ENTERED.get() if _is_open(r())), weakref.ref(self)))
         for actor in self._actors:
             self._tg.start_soon(self._run_actor, actor, name=f"akv.{actor.name}")
         self._tg.start_soon(self._run_eviction, name="akv.eviction_loop")
@@ -181,6 +189,10 @@ class KVCacheManager:
                 manager (anyio ties a task group to the task that enters it).
                 The actors are stopped all the same (no task is left running);
                 leaving it again from the entering task ends the task group.
+            WrongExitOrder: A manager entered after this one in the same task
+                is still open (leave managers in the reverse order of entering
+                them). This one's actors are stopped all the same; leaving it
+                again after the later ones ends its task group.
             ActorCrashed: An actor crashed while the manager ran (unless the
                 ``async with`` body is already raising).
         """
@@ -193,6 +205,16 @@ class KVCacheManager:
                 "task group, which belongs to that task); keep 'async with' in one task, e.g. a lifespan. "
                 "Its actors are stopped now; leave it from the entering task to end the task group"
             )
+        entered = [r() for r in _ENTERED.get()]
+        mine = next((i for i, m in enumerate(entered) if m is self), None)
+        later = [] if mine is None else [m for m in entered[mine + 1 :] if _is_open(m)]
+        if later:
+            raise WrongExitOrder(
+                f"leave KVCacheManagers in the reverse order of entering them: {len(later)} manager(s) "
+                "entered after this one in this task are still open (their task groups nest inside this "
+                "one's). Its actors are stopped now; leave it again after those to end its task group"
+            )
+        _ENTERED.set(tuple(r for r in _ENTERED.get() if r() is not self))
         tg, self._tg = self._tg, None
         # Every task has ended by now; the caller's own exception (if any)
         # propagates unchanged instead of inside an exception group.
@@ -326,7 +348,8 @@ class KVCacheManager:
             appends: Id -> new token ids (1-D ints), or a single ``int``
                 token (the usual decode step; validated without numpy).
             admits: :class:`Admit` items (prompt as 1-D ints).
-            want_metadata: Build block tables and slot mapping.
+            want_metadata: Build block tables and slot mapping: a bool
+                (``numpy.bool_`` is accepted and made ``bool``).
 
         Returns:
             :class:`~akv.results.StepResult` for the model runner.
@@ -335,8 +358,8 @@ class KVCacheManager:
             InvalidTokens: Bad token ids (nothing applied).
             InvalidInput: An id or namespace that is not a plain value, a
                 collection or mapping that is not one or raises while read,
-                bad commit counts, empty appends, a non-bool ``want_metadata``
-                (nothing applied).
+                bad commit counts, empty appends, a ``want_metadata`` that is
+                neither ``bool`` nor ``numpy.bool_`` (nothing applied).
             UnknownSequence: A commit, fork or append names no live sequence.
             DuplicateSequence: An admission or fork child id is already live.
             ActorCrashed, ManagerClosed: The manager is not running.
@@ -344,6 +367,7 @@ class KVCacheManager:
         self._check_running()
         if not isinstance(want_metadata, (bool, np.bool_)):
             raise InvalidInput(f"want_metadata must be a bool, got {describe(want_metadata)}")
+        want_metadata = bool(want_metadata)
         with self._tracer.span("akv.step") as span:
             t0 = time.perf_counter()
             result = await self._step(
@@ -734,14 +758,15 @@ class KVCacheManager:
         Args:
             seq_id: The sequence.
             preempted: The scheduler preempts it (to re-admit later); counted
-                in ``CacheStats.preemptions``.
+                in ``CacheStats.preemptions``. A bool (``numpy.bool_`` is
+                accepted and made ``bool``).
 
         Returns:
             True if the sequence was live, False if unknown or already freed.
 
         Raises:
             InvalidInput: ``seq_id`` is not a plain value (:mod:`akv.core.ids`)
-                or ``preempted`` is not a bool.
+                or ``preempted`` is neither ``bool`` nor ``numpy.bool_``.
             ManagerClosed, ActorCrashed: The manager is not running (its
                 sequences are gone with it).
         """
@@ -1196,6 +1221,11 @@ def _fits(room: tuple[int, int, int]) -> bool:
     """Whether a :class:`Room` reply ``(need, free, evictable)`` says there is room."""
     need, free, evictable = room
     return need <= free + evictable
+
+
+def _is_open(manager: KVCacheManager | None) -> bool:
+    """Whether ``manager`` (a dereferenced entry of the entered stack) is alive and not yet left."""
+    return manager is not None and manager._tg is not None
 
 
 def _max_new_tokens(adm: Admit) -> int | None:

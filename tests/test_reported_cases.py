@@ -395,7 +395,8 @@ async def test_non_bool_want_metadata_and_huge_metadata_pool_are_invalid_input(t
         with pytest.raises(InvalidInput, match="want_metadata must be a bool"):
             await kv.step(want_metadata="no")
         await kv.check()
-    huge = tiny_config(num_blocks=2**40, block_size=16, storage="none")
+    # the largest num_blocks and block_size: shard 0 alone needs 512 GiB of token ids
+    huge = tiny_config(num_blocks=2**31 - 1, block_size=2**16, num_shards=1024, storage="none")
     with pytest.raises(InvalidInput, match="cannot allocate the block metadata"):
         async with KVCacheManager(huge):
             pass

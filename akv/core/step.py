@@ -19,19 +19,25 @@ from akv.errors import InvalidInput
 class Admit:
     """Add a sequence from a prompt.
 
-    The ids are checked (and numpy scalars normalized) when the item is built;
-    the manager checks the prompt against the vocabulary.
+    The ids and flags are checked (and numpy scalars normalized) when the item
+    is built; the manager checks the prompt against the vocabulary.
 
     Args:
         seq_id: New, caller-chosen sequence id: a plain value (an exact
             ``str``, ``int`` or ``bytes``, a numpy integer, or a tuple of
             these; see :mod:`akv.core.ids`), never ``None``.
-        prompt: Token ids, int32 array of shape ``(num_prompt_tokens,)``, non-empty.
+        prompt: Token ids as the caller gives them (a list or tuple of ints,
+            a numpy integer array or a torch integer tensor; 1-D, non-empty),
+            stored here unchanged and unchecked. :meth:`KVCacheManager.step
+            <akv.manager.KVCacheManager.step>` validates them and converts them
+            once, to an int32 array of shape ``(num_prompt_tokens,)``, in the
+            copy of the item it sends to a shard.
         namespace: Prefix-cache namespace; prompts only hit blocks of an equal
             one. ``None`` (the default) or a plain value; values of different
             types never merge (``True`` and ``1.0`` are refused). A tagged
             tuple such as ``("lora", 7)`` is recommended.
-        prefill_done: The runner computes the whole prompt in this very step
+        prefill_done: A bool (``numpy.bool_`` is accepted and made ``bool``,
+            as for ``resumed``): the runner computes the whole prompt in this very step
             (a simulation shortcut): the prompt is committed at once and its
             full blocks published before the next admission of the step.
         resumed: A re-admission of a sequence preempted earlier (its prompt
@@ -69,6 +75,9 @@ class Admit:
                 f"Admit {seq_id!r}: prefill_done and resumed must be bools, "
                 f"got {describe(self.prefill_done)} and {describe(self.resumed)}"
             )
+        if np.bool_ in flags:
+            object.__setattr__(self, "prefill_done", bool(self.prefill_done))
+            object.__setattr__(self, "resumed", bool(self.resumed))
 
 
 @dataclass(kw_only=True, slots=True)

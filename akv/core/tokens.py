@@ -36,8 +36,8 @@ def as_token_array(tokens, vocab_size: int, *, what: str = "tokens") -> np.ndarr
     Args:
         tokens: 1-D integer ids: a list or tuple of ints (or of integer
             scalars with ``__index__``, such as numpy's and torch's; not
-            bools), a numpy integer array, or a torch integer tensor
-            (anything with ``.numpy()``).
+            bools), a numpy integer array (not a masked array), or a torch
+            integer tensor (anything with ``.numpy()``).
         vocab_size: Ids must lie in ``[0, vocab_size)``.
         what: Name used in error messages (e.g. ``"prompt of 'req-1'"``).
 
@@ -47,7 +47,8 @@ def as_token_array(tokens, vocab_size: int, *, what: str = "tokens") -> np.ndarr
 
     Raises:
         InvalidTokens: Empty, not 1-D, not integers (floats, bools, strings,
-            None), or out of range; the message names the first bad position.
+            None), out of range, or a numpy masked array; the message names
+            the first bad position.
     """
     if isinstance(tokens, (str, bytes, bytearray)) or tokens is None:
         raise InvalidTokens(f"{what}: expected a sequence of int token ids, got {type(tokens).__name__}")
@@ -58,6 +59,8 @@ def as_token_array(tokens, vocab_size: int, *, what: str = "tokens") -> np.ndarr
             raise InvalidTokens(
                 f"{what}: token ids must be integers, got a tensor of dtype {tokens.dtype} ({exc})"
             ) from None
+    if isinstance(tokens, np.ma.MaskedArray):  # its data under the mask is not the caller's tokens
+        raise InvalidTokens(f"{what}: a numpy masked array is not accepted; pass the ids to use as a plain array")
     if isinstance(tokens, np.ndarray):
         arr = tokens
     else:
