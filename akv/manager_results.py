@@ -1,0 +1,146 @@
+"""What the manager hands back: step results as tensors, stats and the metrics snapshot.
+
+Pure conversions from the shards' replies (and their published counters) to
+the public result types of :mod:`akv.results` and :mod:`akv.obs.metrics`; no
+message is sent here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from akv.actors.pool_shard import ShardStats
+from akv.config import KVCacheConfig
+from akv.core.step import StepOutcome
+from akv.obs.metrics import MetricsSnapshot
+from akv.results import NO_COPIES, CacheStats, CopyCompletion, StepResult
+
+
+def step_result(outcome: StepOutcome, tickets: list) -> StepResult:
+    """The :class:`~akv.results.StepResult` of one (possibly merged) outcome.
+
+    Args:
+        outcome: The step's outcome; its numpy metadata arrays are wrapped
+            without a copy (``torch.from_numpy``: int32 block tables
+            ``[rows, width]``, context lengths ``[rows]``, int32 query start
+            locations ``[rows + 1]``, slot mapping ``[tokens]``).
+        tickets: The copy tickets the step submitted (may be empty).
+
+    Returns:
+        The step's result; ``copies`` completes when every ticket has run.
+    """
+    return StepResult(
+        seq_ids=tuple(outcome.seq_ids),
+        block_tables=_tensor(outcome.block_tables),
+        context_lens=_tensor(outcome.context_lens),
+        query_start_loc=_tensor(outcome.query_start_loc),
+        slot_mapping=_tensor(outcome.slot_mapping),
+        cached_tokens=outcome.cached_tokens,
+        rejected=outcome.rejected,
+        copies=CopyCompletion(tickets) if tickets else NO_COPIES,
+        freed=tuple(outcome.freed),
+        evicted_blocks=outcome.evicted_blocks,
+    )
+
+
+def _tensor(array: np.ndarray | None) -> torch.Tensor | None:
+    """``array`` as a tensor sharing its memory, or None."""
+    return None if array is None else torch.from_numpy(array)
+
+
+def cache_stats(
+    config: KVCacheConfig,
+    shard_stats: Sequence[ShardStats],
+    *,
+    eviction: Any,
+    max_inbox_depth: dict[str, int],
+    pool_bytes: int,
+) -> CacheStats:
+    """Sum the shards' :class:`ShardStats` into one :class:`~akv.results.CacheStats`.
+
+    Args:
+        config: The manager's configuration (pool and block sizes).
+        shard_stats: One reply per shard.
+        eviction: The eviction loop's stats (``batches``, ``blocks``).
+        max_inbox_depth: Actor name -> deepest inbox seen.
+        pool_bytes: Bytes of the K/V tensors (0 in metadata mode).
+
+    Returns:
+        The snapshot; ``usage`` and ``hit_rate`` are fractions in [0, 1].
+    """
+    c = [s.counters for s in shard_stats]
+    prompt = sum(x.prompt_tokens for x in c)
+    cached = sum(x.cached_tokens for x in c)
+    free = sum(s.free for s in shard_stats)
+    return CacheStats(
+        num_blocks=config.num_blocks,
+        block_size=config.block_size,
+        free=free,
+        active=sum(s.active for s in shard_stats),
+        cached=sum(s.cached for s in shard_stats),
+        in_flight=sum(s.in_flight for s in shard_stats),
+        usage=1.0 - free / config.num_blocks,
+        num_sequences=sum(s.num_sequences for s in shard_stats),
+        prefix_cache_blocks=sum(s.prefix_cache_blocks for s in shard_stats),
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        hit_rate=cached / prompt if prompt else 0.0,
+        blocks_allocated=sum(x.blocks_allocated for x in c),
+        blocks_evicted=sum(x.blocks_evicted for x in c),
+        eviction_batches=sum(x.eviction_batches for x in c),
+        cow_copies=sum(x.cow_copies for x in c),
+        forks=sum(x.forks for x in c),
+        sequences_added=sum(x.sequences_added for x in c),
+        sequences_freed=sum(x.sequences_freed for x in c),
+        pool_exhausted=sum(x.pool_exhausted for x in c),
+        eviction_loop_batches=eviction.batches,
+        eviction_loop_blocks=eviction.blocks,
+        max_inbox_depth=max_inbox_depth,
+        pool_bytes=pool_bytes,
+        blocks_freed=sum(s.blocks_freed for s in shard_stats),
+        preemptions=sum(x.preemptions for x in c),
+        sequences_resumed=sum(x.sequences_resumed for x in c),
+        resumed_prompt_tokens=sum(x.resumed_prompt_tokens for x in c),
+        resumed_cached_tokens=sum(x.resumed_cached_tokens for x in c),
+        reserved_blocks=sum(s.reserved for s in shard_stats),
+    )
+
+
+def metrics_snapshot(num_blocks: int, shards: Iterable[Any], actors: Iterable[Any]) -> MetricsSnapshot:
+    """Read the shards' counters and pool counts (plain reads; safe from a scrape thread).
+
+    Args:
+        num_blocks: Usable blocks of the whole pool.
+        shards: The pool shard actors (their ``state`` is read).
+        actors: Every actor (their ``name`` and ``inbox_depth``).
+
+    Returns:
+        Summed counters (``blocks_freed`` included), block counts by state,
+        inbox depths and reserved blocks.
+    """
+    totals: dict[str, int] = {}
+    blocks = {"free": 0, "active": 0, "cached": 0, "in_flight": 0}
+    reserved = 0
+    for shard in shards:
+        state = shard.state
+        c = state.counters
+        for name in c.__slots__:
+            totals[name] = totals.get(name, 0) + getattr(c, name)
+        pool = state.pool
+        totals["blocks_freed"] = totals.get("blocks_freed", 0) + pool.blocks_freed
+        blocks["free"] += pool.num_free
+        blocks["active"] += pool.num_active
+        blocks["cached"] += pool.num_cached
+        blocks["in_flight"] += pool.num_in_flight
+        reserved += state.num_reserved
+    return MetricsSnapshot(
+        counters=totals,
+        blocks=blocks,
+        num_blocks=num_blocks,
+        inbox_depths={a.name: a.inbox_depth for a in actors},
+        reserved_blocks=reserved,
+    )
