@@ -261,3 +261,18 @@ async def test_kv_round_trip_after_eviction_and_reuse(tiny_config) -> None:
             assert await run.admit("again5", [500 + j for j in range(13)]) == 12
             await run.verify("again5")
             await kv.check()
+
+
+async def test_a_child_forked_in_the_step_that_publishes_its_parent_counts_those_blocks(tiny_config) -> None:
+    """Commit and fork in one step: the child shares the blocks the commit published, and says so.
+
+    Found by the manager state machine: the child copied its parent's published count
+    before the step's publishes were applied, so it reported 0 published blocks and, at
+    its next commit, published the same blocks again.
+    """
+    async with KVCacheManager(tiny_config(num_blocks=16)) as kv:
+        await kv.add_sequence("s1", list(range(1, 19)))  # 18 tokens: 4 full blocks of 4 and a tail
+        await kv.step(commits={"s1": 16}, forks=[("s1", ["s6"])])
+        parent, child = await kv.sequence("s1"), await kv.sequence("s6")
+        assert parent.num_published_blocks == child.num_published_blocks == 4
+        await kv.check()

@@ -201,10 +201,10 @@ class ShardState(ShardChecks, ShardPublishing, ShardAppends, ShardRoom, ShardAdm
         publishing = PendingPublish()
         if req.commits:
             self._commit(req.commits, checked, publishing)
+        if publishing.entries:  # before the forks: a child copies its parent's published count
+            self._publish(publishing, out)
         if req.forks:
             self._fork(req.forks, earmarks)
-        if publishing.entries:
-            self._publish(publishing, out)
         keys, matches = self._match_admissions(req.admits)
         # Prefix hits of admissions not processed yet must not be evicted to make
         # room for anything else in this step.
