@@ -257,7 +257,8 @@ def test_replay_plot_axes_fit_the_data(tmp_path: Path) -> None:
     fig = plot_replay(_timeline(), png)
     ax_blocks, ax_hits, ax_evicted, ax_preempted = fig.axes
     bottom, top = ax_hits.get_ylim()
-    assert 0.03 <= bottom < 0.035 and 0.045 < top <= 0.05  # not 0..1 for a line near 0.04
+    assert 3.0 <= bottom < 3.5 and 4.5 < top <= 5.0  # percent, as the table shows; not 0..100 for a line near 4
+    assert "%" in ax_hits.get_ylabel()
     assert ax_evicted.get_ylim() == ax_preempted.get_ylim() == (0.0, 1.0)  # not -0.04..0.04 for zeros
     assert ax_blocks.get_ylim()[0] == 0.0 and 128 < ax_blocks.get_ylim()[1] < 140
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
