@@ -157,7 +157,7 @@ def test_unexpected_error_is_one_line_and_exit_1(tmp_path: Path, monkeypatch, ca
     assert main(["inspect", str(_log(tmp_path))]) == 1
     captured = capsys.readouterr()
     assert captured.err.splitlines() == [
-        "akv: error: unexpected RuntimeError: boom in summarize (run with --debug for the traceback)"
+        "akv inspect: error: unexpected RuntimeError: boom in summarize (run with --debug for the traceback)"
     ]
 
 
@@ -168,7 +168,7 @@ def test_debug_prints_the_traceback(where: str, tmp_path: Path, monkeypatch, cap
     assert main(["--debug", *argv] if where == "before" else [*argv, "--debug"]) == 1
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "_summarize_fails" in err
-    assert err.splitlines()[-1] == "akv: error: unexpected RuntimeError: boom in summarize"
+    assert err.splitlines()[-1] == "akv inspect: error: unexpected RuntimeError: boom in summarize"
 
 
 def test_library_reads_no_environment_variables() -> None:
