@@ -36,6 +36,12 @@ class _JsonFileHandler(logging.FileHandler):
         except OSError as exc:
             self.error = self.error or exc
 
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError as exc:  # the buffered lines of a full disk: already reported by flush
+            self.error = self.error or exc
+
     def handleError(self, record: logging.LogRecord) -> None:
         exc = sys.exc_info()[1]
         if self.error is None:
