@@ -58,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-blocks",
         type=int_range(8, 10_000_000),
         default=None,
-        help="pool blocks (default: 3.5 blocks of 16 tokens per task, so eviction never stops)",
+        help="pool blocks; each shard must hold the longest sequence, 21 blocks of 16 tokens "
+        "(default: 3.5 blocks of 16 tokens per task, so eviction never stops)",
     )
     parser.add_argument("--block-size", type=int_range(1, 4096), default=16, help="tokens per block (default 16)")
     parser.add_argument("--shards", type=int_range(1, 4), default=1, help="pool shards, 1-4 (default 1)")
