@@ -61,6 +61,12 @@ class StressOptions:
             fault injection, the time every caller must have failed within.
         fresh_manager_s: Seconds of the short program run on a fresh manager
             after a fault injection.
+
+    Raises:
+        ValueError: A field out of range, options that cannot work together,
+            or a ``num_blocks`` whose shards (``num_blocks // shards``) are
+            smaller than the workload's longest sequence
+            (:func:`~akv.stress.programs.max_sequence_blocks`).
     """
 
     seed: int = 0
