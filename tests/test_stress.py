@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import subprocess
 import sys
 import threading
@@ -26,8 +27,9 @@ from akv.stress.kv_io import append, fork, oracle_for, prefill, quiesce, reads_b
 from akv.stress.kv_io import history as kv_history
 from akv.stress.oracle import KVOracle, history_hashes
 from akv.stress.probe import EXPECTED_ORDER, probe_eviction_order, probe_pending_hits, probe_pinned_child
+from akv.stress.programs import max_sequence_blocks
 from akv.stress.session import tenant_namespaces
-from akv.stress.workload import PromptSource, system_prompt_lengths
+from akv.stress.workload import PromptSource, max_prompt_tokens, system_prompt_lengths
 
 ROOT = Path(__file__).resolve().parent.parent
 REPORT_KEYS = {
@@ -269,7 +271,9 @@ def test_register_adds_the_stress_subcommand() -> None:
         ["--duration-s", "-1"], ["--duration-s", "nan"], ["--duration-s", "inf"], ["--namespaces", "17"],
         ["--sequences", "0"], ["--num-blocks", "7"], ["--block-size", "0"], ["--fault", "meteor"],
         ["--eviction-policy", "fifo"], ["--fault-after-programs", "0"], ["--inject-crash-after-s", "-0.5"],
-        ["--audits", "-1"], ["--log-level", "loud"],
+        ["--audits", "-1"], ["--log-level", "loud"], ["--seed", "-1"], ["--log-json-level", "loud"],
+        ["--json", "."], ["--log-json", "."], ["--json", "/nonexistent-akv-dir/r.json"],
+        ["--log-json", "/nonexistent-akv-dir/x.jsonl"],
     ],
 )  # fmt: skip
 def test_out_of_range_options_exit_2(argv: list[str], capsys) -> None:
@@ -278,17 +282,60 @@ def test_out_of_range_options_exit_2(argv: list[str], capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         parser.parse_args(["stress", *argv])
     assert exc.value.code == 2
-    assert "error: argument" in capsys.readouterr().err
+    assert f"error: argument {argv[0]}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
-    "argv", [["--fault", "shard_exception"], ["--fault", "slow_copies", "--inject-crash-after-s", "1"]]
+    ("argv", "says"),
+    [
+        (["--fault", "shard_exception"], "shards >= 2"),
+        (["--fault", "slow_copies", "--inject-crash-after-s", "1"], "inject_crash_after_s"),
+        (["--fault-after-s", "3"], "--fault-after-s needs --fault"),
+        (["--fault-after-programs", "5"], "--fault-after-programs needs --fault"),
+        (["--num-blocks", "8"], "needs 21 blocks"),
+        (["--shards", "3", "--num-blocks", "62"], "needs 21 blocks"),
+        (["--block-size", "1", "--num-blocks", "200"], "needs 201 blocks"),
+    ],
 )
-def test_inconsistent_options_exit_2(argv: list[str], capsys) -> None:
+def test_inconsistent_options_exit_2(argv: list[str], says: str, capsys) -> None:
     parser = argparse.ArgumentParser(prog="akv")
     register(parser.add_subparsers(dest="command", required=True))
     assert main_stress(parser.parse_args(["stress", "--no-progress", *argv])) == 2
-    assert "akv stress: error:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("akv stress: error:") and says in err
+
+
+@pytest.mark.parametrize(("block_size", "shards", "sequences"), [(1, 1, 1), (16, 4, 1), (16, 1, 256), (64, 3, 2)])
+def test_default_pool_gives_every_shard_the_longest_sequence(block_size: int, shards: int, sequences: int) -> None:
+    options = StressOptions(block_size=block_size, shards=shards, sequences=sequences)
+    assert options.pool_blocks() // shards >= max_sequence_blocks(block_size)
+
+
+def test_max_prompt_tokens_bounds_every_prompt() -> None:
+    rng = random.Random(0)
+    for block_size in (1, 4, 16):
+        source = PromptSource(0, block_size)
+        longest = max(len(source.prompt(rng)) for _ in range(3000))
+        assert longest <= max_prompt_tokens(block_size)
+        assert longest > max_prompt_tokens(block_size) - block_size  # the bound is reached, nearly
+
+
+@pytest.mark.anyio
+async def test_smallest_accepted_pool_runs_without_request_too_large() -> None:
+    report = await run_stress(_count_run(seed=6, sequences=16, operations=120, num_blocks=max_sequence_blocks(16)))
+    assert report.ok, report.as_json()
+    assert report.unexpected_errors == 0
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("option", ["--json", "--log-json"])
+def test_output_that_cannot_be_written_exits_2_naming_the_option(option: str, tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "akv.cli", "stress", "--operations", "12", "--sequences", "4", "--no-progress"]
+    proc = subprocess.run([*cmd, option, "/dev/full"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"akv stress: error: argument {option}: cannot write '/dev/full': No space left on device"
+    ]
 
 
 def test_run_stress_script_writes_report_and_json_log(tmp_path: Path) -> None:
@@ -301,8 +348,11 @@ def test_run_stress_script_writes_report_and_json_log(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(report_path.read_text())
     assert set(report) >= REPORT_KEYS and report["ok"] is True and sum(report["programs"].values()) == 16
-    events = [json.loads(line)["event"] for line in log_path.read_text().splitlines()]
+    lines = [json.loads(line) for line in log_path.read_text().splitlines()]
+    events = [line["event"] for line in lines]
     assert "stress.started" in events and "stress.finished" in events and "manager.started" in events
+    # --log-json-level defaults to debug: the per-sequence events akv inspect --seq reads are there
+    assert any(line["level"] == "debug" and line.get("seq_id") == "t0-s0" for line in lines)
 
 
 # ------------------------------------------------- library bugs (strict xfail)

@@ -16,59 +16,29 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import logging
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import anyio
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from akv.argtypes import float_range, int_range, log_level, output_path
 from akv.stress.metrics import Metrics
 from akv.stress.options import BACKENDS, FAULTS, POLICIES, StressOptions
 from akv.stress.report import StressReport, print_summary
 from akv.stress.runner import run_stress
 
-
-def _int_in(low: int, high: int) -> Callable[[str], int]:
-    """argparse type: an int in ``[low, high]`` (argparse turns the error into exit 2)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must lie in [{low}, {high:,}], got {value}")
-        return value
-
-    return parse
-
-
-def _float_in(low: float, high: float, *, low_open: bool = False) -> Callable[[str], float]:
-    """argparse type: a finite float in ``[low, high]`` (``(low, high]`` with ``low_open``)."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not (low < value if low_open else low <= value) or not value <= high:
-            raise argparse.ArgumentTypeError(f"must lie in {'(' if low_open else '['}{low}, {high}], got {text}")
-        return value
-
-    return parse
-
-
-_positive_int = _int_in(1, 1_000_000)
-_seconds = _float_in(0.0, 86_400.0, low_open=True)
+_positive_int = int_range(1, 1_000_000)
+_seconds = float_range(0.0, 86_400.0, min_open=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the stress options to ``parser``."""
     parser.add_argument(
-        "--seed", type=_int_in(-(2**63), 2**63 - 1), default=0, help="seed of every random choice (default 0)"
+        "--seed", type=int_range(0, 2**63 - 1), default=0, help="seed of every random choice (default 0)"
     )
     parser.add_argument(
         "--duration-s",
@@ -83,15 +53,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="end after N programs (requests) in all, whatever the time (default: run for --duration-s)",
     )
-    parser.add_argument("--sequences", type=_int_in(1, 100_000), default=256, help="concurrent tasks (default 256)")
+    parser.add_argument("--sequences", type=int_range(1, 100_000), default=256, help="concurrent tasks (default 256)")
     parser.add_argument(
         "--num-blocks",
-        type=_int_in(8, 10_000_000),
+        type=int_range(8, 10_000_000),
         default=None,
-        help="pool blocks (default: 3.5 blocks of 16 tokens per task, so eviction never stops)",
+        help="pool blocks; each shard must hold the longest sequence, 21 blocks of 16 tokens "
+        "(default: 3.5 blocks of 16 tokens per task, so eviction never stops)",
     )
-    parser.add_argument("--block-size", type=_int_in(1, 4096), default=16, help="tokens per block (default 16)")
-    parser.add_argument("--shards", type=_int_in(1, 4), default=1, help="pool shards, 1-4 (default 1)")
+    parser.add_argument("--block-size", type=int_range(1, 4096), default=16, help="tokens per block (default 16)")
+    parser.add_argument("--shards", type=int_range(1, 4), default=1, help="pool shards, 1-4 (default 1)")
     parser.add_argument(
         "--eviction-policy",
         choices=POLICIES,
@@ -99,24 +70,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="eviction policy; random picks one from the seed (default slru)",
     )
     parser.add_argument(
-        "--namespaces", type=_int_in(1, 16), default=3, help="tenants sharing the prompts, 1-16 (default 3)"
+        "--namespaces", type=int_range(1, 16), default=3, help="tenants sharing the prompts, 1-16 (default 3)"
     )
     parser.add_argument(
         "--audits",
-        type=_int_in(0, 1000),
+        type=int_range(0, 1000),
         default=3,
         help="quiescent points that recount refcounts and check the prefix cache, besides the end (default 3)",
     )
     parser.add_argument("--backend", choices=BACKENDS, default="asyncio", help="anyio event loop (default asyncio)")
-    parser.add_argument("--json", type=Path, dest="json_path", help="write the JSON report to this path")
-    parser.add_argument("--log-json", type=Path, help="write structured logs as JSON lines to this path")
+    parser.add_argument("--json", type=output_path, dest="json_path", help="write the JSON report to this path")
+    parser.add_argument("--log-json", type=output_path, help="write structured logs as JSON lines to this path")
     parser.add_argument(
-        "--log-level", choices=("debug", "info", "warning", "error"), default="warning", help="console log level"
+        "--log-json-level", type=log_level, default="debug", help="level of the --log-json file (default debug)"
     )
+    parser.add_argument("--log-level", type=log_level, default="warning", help="console log level (default warning)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--inject-crash-after-s",
-        type=_float_in(0.0, 86_400.0),
+        type=float_range(0.0, 86_400.0),
         default=None,
         metavar="X",
         help="make a pool shard raise after X s; every caller must fail fast and a fresh manager must work",
@@ -129,14 +101,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "failing_copies, slow_copies (not fatal)",
     )
     parser.add_argument(
-        "--fault-after-s", type=_float_in(0.0, 86_400.0), default=1.0, help="seconds before the fault (default 1)"
+        "--fault-after-s",
+        type=float_range(0.0, 86_400.0),
+        default=None,
+        help="seconds before the --fault fires (default 1; only with --fault)",
     )
     parser.add_argument(
         "--fault-after-programs",
         type=_positive_int,
         default=None,
         metavar="N",
-        help="inject the fault once N programs have started (a count; overrides --fault-after-s)",
+        help="inject the --fault once N programs have started (a count; overrides --fault-after-s; only with --fault)",
     )
 
 
@@ -160,7 +135,16 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def options_from_args(args: argparse.Namespace) -> StressOptions:
-    """The :class:`StressOptions` of parsed arguments."""
+    """The :class:`StressOptions` of parsed arguments.
+
+    Raises:
+        ValueError: Options that cannot work together (``--fault-after-s`` or
+            ``--fault-after-programs`` without ``--fault``, a pool shard too
+            small for the workload, ...); the message names them.
+    """
+    for flag, value in (("--fault-after-s", args.fault_after_s), ("--fault-after-programs", args.fault_after_programs)):
+        if value is not None and args.fault is None:
+            raise ValueError(f"{flag} needs --fault (it says when the fault fires)")
     return StressOptions(
         seed=args.seed,
         duration_s=args.duration_s,
@@ -176,7 +160,7 @@ def options_from_args(args: argparse.Namespace) -> StressOptions:
         namespaces=args.namespaces,
         audits=args.audits,
         fault=args.fault,
-        fault_after_s=args.fault_after_s,
+        fault_after_s=1.0 if args.fault_after_s is None else args.fault_after_s,
         fault_after_programs=args.fault_after_programs,
     )
 
@@ -204,16 +188,18 @@ def main_stress(args: argparse.Namespace) -> int:
     Returns:
         0 when the report is clean (no corrupted read, invariant violation,
         leak, hang or unexpected error; with fault injection: every caller
-        failed fast and a fresh manager worked), 1 otherwise, 2 for bad options.
+        failed fast and a fresh manager worked), 1 when a check failed, 2 for
+        bad options or a ``--json``/``--log-json`` file that could not be
+        written (one line on stderr naming the option and path).
     """
     from akv.obs.logging import configure_logging
 
     try:
         options = options_from_args(args)
     except ValueError as exc:
-        sys.stderr.write(f"akv stress: error: {exc}\n")
-        return 2
-    configure_logging(level=args.log_level, json_path=args.log_json)
+        return _usage_error(str(exc))
+    configure_logging(level=args.log_level, json_path=args.log_json, json_level=args.log_json_level)
+    log_failures = _watch_log_file()
     # Last resort against a hang inside a shielded call (a cancel scope cannot end it).
     faulthandler.dump_traceback_later(options.duration_s + 600, exit=True)
     try:
@@ -223,8 +209,39 @@ def main_stress(args: argparse.Namespace) -> int:
         faulthandler.cancel_dump_traceback_later()
     print_summary(report)
     if args.json_path is not None:
-        args.json_path.write_text(json.dumps(report.as_json(), indent=2) + "\n")
+        try:
+            args.json_path.write_text(json.dumps(report.as_json(), indent=2) + "\n")
+        except OSError as exc:
+            return _usage_error(f"argument --json: cannot write {str(args.json_path)!r}: {exc.strerror or exc}")
+    if log_failures:
+        exc = log_failures[0]
+        return _usage_error(f"argument --log-json: cannot write {str(args.log_json)!r}: {exc.strerror or exc}")
     return 0 if report.ok else 1
+
+
+def _usage_error(message: str) -> int:
+    sys.stderr.write(f"akv stress: error: {message}\n")
+    return 2
+
+
+def _watch_log_file() -> list[OSError]:
+    """Make a failing ``--log-json`` file record its first error and detach, instead of printing tracebacks.
+
+    Returns:
+        The list the error lands in (empty while every write succeeds).
+    """
+    failures: list[OSError] = []
+    root = logging.getLogger("akv")
+    for handler in root.handlers:
+        if isinstance(handler, logging.FileHandler):
+
+            def failed(record: logging.LogRecord, handler: logging.Handler = handler) -> None:
+                exc = sys.exc_info()[1]
+                failures.append(exc if isinstance(exc, OSError) else OSError(str(exc)))
+                root.removeHandler(handler)
+
+            handler.handleError = failed  # type: ignore[method-assign]
+    return failures
 
 
 def _run(options: StressOptions, progress: Callable[[float, Metrics], None] | None) -> StressReport:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from akv.stress.programs import max_sequence_blocks
+
 BACKENDS = ("asyncio", "uvloop", "trio")
 #: Eviction policies a run may use; ``random`` picks one from the seed.
 POLICIES = ("lru", "lfu", "slru", "random")
@@ -59,6 +61,12 @@ class StressOptions:
             fault injection, the time every caller must have failed within.
         fresh_manager_s: Seconds of the short program run on a fresh manager
             after a fault injection.
+
+    Raises:
+        ValueError: A field out of range, options that cannot work together,
+            or a ``num_blocks`` whose shards (``num_blocks // shards``) are
+            smaller than the workload's longest sequence
+            (:func:`~akv.stress.programs.max_sequence_blocks`).
     """
 
     seed: int = 0
@@ -128,6 +136,13 @@ class StressOptions:
             raise ValueError("fault 'shard_exception' needs shards >= 2 (the other shards keep serving)")
         if self.fault is not None and not 0 <= self.fault_after_s < self.duration_s:
             raise ValueError(f"fault_after_s must lie in [0, duration_s={self.duration_s}), got {self.fault_after_s!r}")
+        need = max_sequence_blocks(self.block_size)
+        if self.num_blocks is not None and self.num_blocks // self.shards < need:
+            raise ValueError(
+                f"num_blocks={self.num_blocks} gives a shard {self.num_blocks // self.shards} blocks, but the "
+                f"workload's longest sequence needs {need} blocks of {self.block_size} tokens: use "
+                f"num_blocks >= {need * self.shards} (or leave it unset)"
+            )
 
     @property
     def fault_kind(self) -> str | None:
@@ -151,8 +166,11 @@ class StressOptions:
         A task holds about 2-10 blocks of 16 tokens while it runs (prompt,
         decode, beams), so at 3.5 per task the pool runs near full: cached
         blocks are evicted all the time and some allocations fail transiently
-        (896 blocks for 256 tasks).
+        (896 blocks for 256 tasks). The default is never below 64 blocks, nor
+        below what lets every shard hold the workload's longest sequence
+        (:func:`~akv.stress.programs.max_sequence_blocks`).
         """
         if self.num_blocks is not None:
             return self.num_blocks
-        return max(64, 7 * self.sequences * 16 // (2 * self.block_size))
+        per_task = 7 * self.sequences * 16 // (2 * self.block_size)
+        return max(64, per_task, self.shards * max_sequence_blocks(self.block_size))

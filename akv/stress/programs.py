@@ -23,9 +23,31 @@ import anyio
 import anyio.lowlevel
 
 from akv.stress.client import Client, SeqModel
-from akv.stress.workload import PromptSource, fresh_tokens
+from akv.stress.workload import PromptSource, fresh_tokens, max_prompt_tokens
 
 Program = Callable[[Client, PromptSource], Awaitable[None]]
+
+#: Most decode bursts of a ``chat`` program, and the burst sizes it draws from.
+CHAT_MAX_BURSTS = 12
+CHAT_BURST_SIZES = (1, 1, 2, 3, 5, 8, 16)
+#: Most tokens any other program appends to one sequence (``parallel``: 6 bursts of up to 4).
+OTHER_MAX_APPENDED = 24
+
+
+def max_sequence_blocks(block_size: int) -> int:
+    """Most blocks one sequence of any program holds: the longest prompt plus the most appended tokens.
+
+    A pool shard smaller than this cannot serve the workload: the manager
+    refuses that sequence with ``RequestTooLarge``.
+
+    Args:
+        block_size: Tokens per block (``>= 1``).
+
+    Returns:
+        A block count (``>= 1``).
+    """
+    appended = max(CHAT_MAX_BURSTS * max(CHAT_BURST_SIZES), OTHER_MAX_APPENDED)
+    return -(-(max_prompt_tokens(block_size) + appended) // block_size)
 
 
 async def chat(c: Client, prompts: PromptSource) -> None:
@@ -37,10 +59,10 @@ async def chat(c: Client, prompts: PromptSource) -> None:
     seq = await c.admit(prompt)
     if rng.random() < 0.3:
         await c.verify(seq)
-    for _ in range(rng.randint(1, 12)):
+    for _ in range(rng.randint(1, CHAT_MAX_BURSTS)):
         if c.expired():
             break
-        await c.append(seq, fresh_tokens(rng, rng.choice((1, 1, 2, 3, 5, 8, 16))))
+        await c.append(seq, fresh_tokens(rng, rng.choice(CHAT_BURST_SIZES)))
         if rng.random() < 0.15:
             await c.verify(seq)
     await c.verify(seq)

@@ -22,6 +22,15 @@ def system_prompt_lengths(block_size: int) -> list[int]:
     return sorted(set(lengths))
 
 
+#: A fresh user turn has at most this many blocks of tokens (a canned one at most 2).
+FRESH_TURN_BLOCKS = 4
+
+
+def max_prompt_tokens(block_size: int) -> int:
+    """Tokens of the longest prompt :class:`PromptSource` draws for ``block_size``."""
+    return max(system_prompt_lengths(block_size)) + FRESH_TURN_BLOCKS * block_size
+
+
 class PromptSource:
     """Draws prompts; the shared parts are fixed by the run's seed.
 
@@ -45,7 +54,7 @@ class PromptSource:
         elif roll < 0.55:
             turn = rng.choice(self.canned_turns)
         else:
-            turn = fresh_tokens(rng, rng.randint(1, 4 * self.block_size))
+            turn = fresh_tokens(rng, rng.randint(1, FRESH_TURN_BLOCKS * self.block_size))
         return system + turn
 
 
