@@ -15,10 +15,22 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["LOG_LEVELS", "UsageError", "float_range", "int_range", "log_level", "output_path", "png_path"]
+__all__ = [
+    "LOG_LEVELS",
+    "UsageError",
+    "float_range",
+    "input_path",
+    "int_range",
+    "log_level",
+    "output_path",
+    "png_path",
+    "write_output",
+]
 
 
 class UsageError(Exception):
@@ -103,28 +115,78 @@ def log_level(text: str) -> str:
     return level
 
 
-def output_path(text: str) -> Path:
-    """An argparse type: a file path to write, whose directory exists.
+def input_path(text: str) -> Path:
+    """An argparse type: a path to read; only an empty one is refused here (reading says the rest).
 
     Raises:
-        argparse.ArgumentTypeError: The path is a directory, or its parent
-            directory does not exist.
+        argparse.ArgumentTypeError: The path is empty (``Path("")`` would be ``.``).
     """
-    path = Path(text)
-    if path.is_dir():
+    if not text:
+        raise argparse.ArgumentTypeError("empty path; give a file path")
+    return Path(text)
+
+
+def output_path(text: str) -> Path:
+    """An argparse type: a regular file to write (created or truncated) in a writable directory.
+
+    Checked while parsing, so a long run never ends on an output it cannot write.
+
+    Raises:
+        argparse.ArgumentTypeError: The path is empty, a directory, a device or
+            another non-regular file, a file that cannot be written, or its
+            parent directory is missing or not writable.
+    """
+    path = input_path(text)
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot use {text!r}: {exc.strerror}") from None
+    if mode is not None and stat.S_ISDIR(mode):
         raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file path")
+    if mode is not None and not stat.S_ISREG(mode):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a regular file (a device, pipe or socket); give a file path")
+    if mode is not None and not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not writable")
     if not path.parent.is_dir():
         raise argparse.ArgumentTypeError(f"directory {str(path.parent)!r} does not exist")
+    if mode is None and not os.access(path.parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"directory {str(path.parent)!r} is not writable")
     return path
 
 
-def png_path(text: str) -> Path:
-    """An argparse type: an :func:`output_path` for a plot, checking that matplotlib is installed.
+def write_output(option: str, path: Path, data: str | bytes) -> None:
+    """Write ``data`` to the file of output option ``option``; a failure names both.
+
+    Args:
+        option: The option's name, e.g. ``"--json"``.
+        path: The file (truncated).
+        data: Text (UTF-8) or bytes.
 
     Raises:
-        argparse.ArgumentTypeError: As :func:`output_path`, or matplotlib is
-            missing (the message names ``pip install 'akv[plot]'``).
+        UsageError: The write failed (disk full, the directory removed since
+            parsing, ...): ``--json PATH: cannot write: REASON`` (exit 2).
     """
+    try:
+        if isinstance(data, bytes):
+            path.write_bytes(data)
+        else:
+            path.write_text(data, encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"{option} {str(path)!r}: cannot write: {exc.strerror or exc}") from None
+
+
+def png_path(text: str) -> Path:
+    """An argparse type: an :func:`output_path` ending in ``.png``, checking that matplotlib is installed.
+
+    Raises:
+        argparse.ArgumentTypeError: As :func:`output_path`, another extension
+            (matplotlib picks the format from it), or matplotlib is missing
+            (the message names ``pip install 'akv[plot]'``).
+    """
+    if not text.lower().endswith(".png"):
+        raise argparse.ArgumentTypeError(f"a plot is a PNG file: the path must end in .png, got {text!r}")
     path = output_path(text)
     if importlib.util.find_spec("matplotlib") is None:
         raise argparse.ArgumentTypeError("plots need matplotlib: pip install 'akv[plot]'")

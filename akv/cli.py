@@ -3,18 +3,21 @@
 This is an application, so it configures logging (library code never does).
 Exit codes: 0 the command did its work, 1 an unexpected error (one line on
 stderr; ``akv --debug ...`` prints the traceback), 2 bad input (a bad option,
-a malformed trace, a run that could do nothing), 130 interrupted.
+a malformed trace, a run that could do nothing, an output that cannot be
+written), 130 interrupted, 141 stdout closed early (``akv inspect LOG | head``:
+no message, as a process killed by SIGPIPE).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
 
-from akv.argtypes import UsageError, png_path
+from akv.argtypes import UsageError, input_path, png_path
 from akv.errors import ActorCrashed, AkvError
 
 
@@ -29,8 +32,8 @@ def _add_inspect_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
     )
     ip.add_argument(
         "logfile",
-        type=Path,
-        help="JSON-lines log (unreadable lines, e.g. a crashed run's truncated last one, are skipped and listed)",
+        type=input_path,
+        help="JSON-lines log, .jsonl or .jsonl.gz (unreadable lines, e.g. a crashed run's truncated last one, are skipped and listed)",
     )
     ip.add_argument("--seq", help="print every event naming this sequence id")
     ip.add_argument("--plot", type=png_path, help="write a PNG timeline of the eviction batches (needs matplotlib)")
@@ -73,13 +76,17 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from akv.obs.inspect import eviction_bursts, read_log, sequence_history, summarize
 
     log = read_log(args.logfile)
+    if not log.events:
+        raise UsageError(
+            f"{args.logfile}: no event could be read ({len(log.bad_lines)} unreadable lines); "
+            "give a JSON-lines log written with --log-json"
+        )
     if args.seq is not None:
         history = sequence_history(log, args.seq)
+        if not history:
+            raise UsageError(f"no event names sequence {args.seq!r} (is the log at --log-json-level debug?)")
         for event in history:
             print(json.dumps(event, default=str))
-        if not history:
-            print(f"akv: no event names sequence {args.seq!r}", file=sys.stderr)
-            return 1
         return 0
     summary = summarize(log)
     bursts = eviction_bursts(log)
@@ -133,8 +140,7 @@ def _run_command(args: argparse.Namespace) -> int:
 
 def _describe(exc: BaseException) -> str:
     """``Type: message`` of ``exc``, looking through exception groups of one."""
-    while len(inner := getattr(exc, "exceptions", ())) == 1 and isinstance(inner[0], BaseException):
-        exc = inner[0]
+    exc = _innermost(exc)
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
@@ -147,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         The exit code: 0 done, 1 an unexpected error or a crashed manager
         (one line on stderr; with ``--debug`` also the traceback), 2 bad
-        input (options, trace, files, a run that could do nothing), 130
-        interrupted.
+        input (options, trace, files, a run that could do nothing, an output
+        or the --log-json file that could not be written), 130 interrupted,
+        141 stdout closed early (no message).
 
     Raises:
         SystemExit: From argparse (exit 2) on a bad option, or for ``--help``.
@@ -156,29 +163,49 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
         _configure_logging(args)
-        return _run_command(args)
+        code = _run_command(args)
+        _check_log_file()
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
     except SystemExit:
         raise
     except BaseException as exc:  # the one place that turns any error into one line and an exit code
-        code, line = _exit_for(exc, debug=args.debug)
+        if _innermost(exc).__class__ is BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+            return 141
+        code, line = _exit_for(exc, debug=args.debug, prog=f"akv {args.command}")
         if args.debug:
             traceback.print_exception(exc)
         print(line, file=sys.stderr)
         return code
 
 
-def _exit_for(exc: BaseException, *, debug: bool) -> tuple[int, str]:
-    """The exit code and the one stderr line for an exception that ended a command."""
+def _check_log_file() -> None:
+    from akv.obs.logging import log_file_error
+
+    if (failed := log_file_error()) is not None:
+        path, exc = failed
+        raise UsageError(f"--log-json {path!r}: cannot write: {exc.strerror or exc}")
+
+
+def _innermost(exc: BaseException) -> BaseException:
+    while len(inner := getattr(exc, "exceptions", ())) == 1 and isinstance(inner[0], BaseException):
+        exc = inner[0]
+    return exc
+
+
+def _exit_for(exc: BaseException, *, debug: bool, prog: str) -> tuple[int, str]:
+    """The exit code and the one stderr line (``prog: error: ...``) for an exception that ended a command."""
     if isinstance(exc, (UsageError, OSError)):
-        return 2, f"akv: error: {exc}"
+        return 2, f"{prog}: error: {exc}"
     if isinstance(exc, ActorCrashed):
-        return 1, f"akv: internal error, the manager failed: {exc}"
+        return 1, f"{prog}: internal error, the manager failed: {exc}"
     if isinstance(exc, AkvError):
-        return 2, f"akv: error: {exc}"
+        return 2, f"{prog}: error: {exc}"
     if isinstance(exc, KeyboardInterrupt):
-        return 130, "akv: interrupted"
+        return 130, f"{prog}: interrupted"
     hint = "" if debug else " (run with --debug for the traceback)"
-    return 1, f"akv: error: unexpected {_describe(exc)}{hint}"
+    return 1, f"{prog}: error: unexpected {_describe(exc)}{hint}"
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -102,6 +102,14 @@ BAD_OPTIONS = [
     ["replay", "--metrics-out", "."],
     ["replay", "--plot", "/no/such/dir/p.png"],
     ["replay", "--model", "gpt-9"],
+    ["replay", "--plot", "x.out"],
+    ["replay", "--plot", "noext"],
+    ["replay", "--json", "/dev/full"],
+    ["replay", "--json", ""],
+    ["replay", "--metrics-out", "/dev/full"],
+    ["replay", "--log-json", "/dev/full"],
+    ["replay", "--limit", "99999999999999999999"],
+    ["inspect", "log.jsonl", "--plot", "timeline.svg"],
     ["inspect", "log.jsonl", "--plot", "/no/such/dir/p.png"],
     ["generate", "--steps", "0"],
     ["generate", "--steps", str(10**9)],
@@ -131,6 +139,7 @@ def test_pool_gib_too_small_for_one_block_exits_2(restore_logging, capsys) -> No
     assert main(["replay", "--limit", "1", "--pool-gib", "1e-9", *FAST]) == 2
     captured = capsys.readouterr()
     assert "--pool-gib" in captured.err
+    assert captured.err.startswith("akv replay: error: ")  # as argparse's own errors, naming the command
     _no_traceback(captured)
 
 
@@ -157,7 +166,7 @@ def test_unexpected_error_is_one_line_and_exit_1(tmp_path: Path, monkeypatch, ca
     assert main(["inspect", str(_log(tmp_path))]) == 1
     captured = capsys.readouterr()
     assert captured.err.splitlines() == [
-        "akv: error: unexpected RuntimeError: boom in summarize (run with --debug for the traceback)"
+        "akv inspect: error: unexpected RuntimeError: boom in summarize (run with --debug for the traceback)"
     ]
 
 
@@ -168,7 +177,7 @@ def test_debug_prints_the_traceback(where: str, tmp_path: Path, monkeypatch, cap
     assert main(["--debug", *argv] if where == "before" else [*argv, "--debug"]) == 1
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "_summarize_fails" in err
-    assert err.splitlines()[-1] == "akv: error: unexpected RuntimeError: boom in summarize"
+    assert err.splitlines()[-1] == "akv inspect: error: unexpected RuntimeError: boom in summarize"
 
 
 def test_library_reads_no_environment_variables() -> None:
@@ -257,7 +266,8 @@ def test_replay_plot_axes_fit_the_data(tmp_path: Path) -> None:
     fig = plot_replay(_timeline(), png)
     ax_blocks, ax_hits, ax_evicted, ax_preempted = fig.axes
     bottom, top = ax_hits.get_ylim()
-    assert 0.03 <= bottom < 0.035 and 0.045 < top <= 0.05  # not 0..1 for a line near 0.04
+    assert 3.0 <= bottom < 3.5 and 4.5 < top <= 5.0  # percent, as the table shows; not 0..100 for a line near 4
+    assert "%" in ax_hits.get_ylabel()
     assert ax_evicted.get_ylim() == ax_preempted.get_ylim() == (0.0, 1.0)  # not -0.04..0.04 for zeros
     assert ax_blocks.get_ylim()[0] == 0.0 and 128 < ax_blocks.get_ylim()[1] < 140
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -294,3 +304,118 @@ def test_default_eviction_policy_is_named_once() -> None:
 
     assert ShardState(0, range(8), 4).pool.policy.name == DEFAULT_EVICTION_POLICY
     assert KVCacheConfig(num_blocks=8).eviction_policy == DEFAULT_EVICTION_POLICY == "slru"
+
+
+# ---------------------------------------------------------------- 9. review 2: outputs, logs, inspect, pipes
+def test_device_plot_path_is_refused_before_anything_is_written(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["replay", "--plot", "/dev/full"])  # was accepted, and /dev/full.png written at the end
+    assert exit_info.value.code == 2
+    assert "--plot" in capsys.readouterr().err
+
+
+def test_empty_path_is_named_as_empty(capsys) -> None:
+    for argv in (["replay", ""], ["replay", "--json", ""], ["inspect", ""]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        err = capsys.readouterr().err
+        assert "empty path" in err and "is a directory" not in err
+
+
+def test_json_report_is_written_before_the_plot(tmp_path: Path, monkeypatch, restore_logging, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    import akv.obs.plot
+
+    report = tmp_path / "report.json"
+
+    def plot_fails(timeline: list, path: Path) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(akv.obs.plot, "plot_replay", plot_fails)
+    trace = str(_trace(tmp_path, [_record()]))
+    assert main(["replay", trace, *FAST, "--json", str(report), "--plot", str(tmp_path / "p.png")]) == 2
+    assert json.loads(report.read_text())["requests_finished"] == 1
+    err = capsys.readouterr().err
+    assert "--plot" in err and "No space left on device" in err
+
+
+def test_write_failure_names_the_option_and_path() -> None:
+    from akv.argtypes import UsageError, write_output
+
+    with pytest.raises(UsageError, match=r"--json '/dev/full': cannot write: No space left on device"):
+        write_output("--json", Path("/dev/full"), "{}\n")
+
+
+def test_unwritable_log_file_is_reported_not_printed(restore_logging, capsys) -> None:
+    import structlog
+
+    from akv.obs.logging import configure_logging, log_file_error
+
+    configure_logging(level="error", json_path="/dev/full", json_level="debug")
+    structlog.get_logger("akv").info("test.event", n=1)
+    failed = log_file_error()
+    assert failed is not None and failed[0] == "/dev/full" and failed[1].errno == 28
+    assert "Logging error" not in capsys.readouterr().err
+
+
+def test_short_replay_has_a_first_and_last_timeline_sample(tmp_path: Path, restore_logging) -> None:
+    pytest.importorskip("matplotlib")
+    import anyio
+
+    from akv import KVCacheConfig, KVCacheManager
+    from akv.obs.plot import plot_replay
+    from akv.replay import ReplayOptions, replay
+    from akv.trace import read_trace
+
+    requests = read_trace(_trace(tmp_path, [_record(n_out=7)]))
+
+    async def run():
+        async with KVCacheManager(KVCacheConfig(num_blocks=64, block_size=16, storage="none")) as kv:
+            return await replay(kv, requests, ReplayOptions(timeline_every_steps=10, want_metadata=False))
+
+    report = anyio.run(run)
+    assert report.decode_steps < 10  # akv replay --plot samples every 10 steps
+    times = [x["simulated_s"] for x in report.timeline]
+    assert len(times) == 2 and times[0] < times[1]  # the first and the last step: a line, not a blank panel
+    fig = plot_replay(report.timeline, tmp_path / "short.png")
+    assert fig.axes[0].get_xlim()[1] > 0
+
+
+@pytest.mark.parametrize("content", [b"", b"not json\n{also not\n"], ids=["empty", "garbage"])
+def test_inspect_a_log_with_no_event_exits_2(content: bytes, tmp_path: Path, capsys) -> None:
+    path = tmp_path / "log.jsonl"
+    path.write_bytes(content)
+    assert main(["inspect", str(path)]) == 2
+    assert "no event could be read" in capsys.readouterr().err
+
+
+def test_inspect_reads_a_gzipped_log(tmp_path: Path, capsys) -> None:
+    import gzip
+
+    path = tmp_path / "log.jsonl.gz"
+    path.write_bytes(gzip.compress(_log(tmp_path).read_bytes()))
+    assert main(["inspect", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["events"] == {"manager.started": 1}
+
+
+def test_inspect_unknown_sequence_exits_2(tmp_path: Path, capsys) -> None:
+    assert main(["inspect", str(_log(tmp_path)), "--seq", "r99999"]) == 2
+    assert "no event names sequence 'r99999'" in capsys.readouterr().err
+
+
+def test_closed_stdout_exits_141_quietly(tmp_path: Path) -> None:
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"event": f"e{i}", "level": "info"}) + "\n" for i in range(2000)))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    child = subprocess.Popen(
+        [sys.executable, "-m", "akv.cli", "inspect", str(log)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
+    child.stdout.close()  # like `| head -1` that has already exited
+    _, err = child.communicate(timeout=120)
+    assert (child.returncode, err) == (141, b"")
+
+
+def test_ipv6_metrics_address_is_bracketed(tmp_path: Path, restore_logging, capsys) -> None:
+    path = _trace(tmp_path, [_record()])
+    assert main(["replay", str(path), *FAST, "--metrics-port", "0", "--metrics-addr", "::1"]) == 0
+    assert re.search(r"serving metrics on http://\[::1\]:\d+/metrics", capsys.readouterr().err)

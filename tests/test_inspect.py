@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from akv.cli import main
 from tests.test_metrics import write_tight_trace
 from tests.test_replay import restore_logging
@@ -49,7 +51,7 @@ def test_inspect_summarizes_a_replay_log(tmp_path: Path, restore_logging, capsys
 
     assert main(["inspect", str(log)]) == 0
     assert "eviction bursts" in capsys.readouterr().out
-    assert main(["inspect", str(log), "--seq", "no-such-sequence"]) == 1
+    assert main(["inspect", str(log), "--seq", "no-such-sequence"]) == 2
 
 
 def test_replay_plot_writes_a_png_of_the_timeline(tmp_path: Path, restore_logging) -> None:
@@ -75,7 +77,9 @@ def test_replay_timeline_samples_stats() -> None:
             return await replay(kv, synthetic_requests(30), options)
 
     report = anyio.run(run)
-    assert len(report.timeline) == report.decode_steps // 5
+    steps = report.decode_steps
+    assert len(report.timeline) == 1 + steps // 5 + (steps % 5 != 0)  # the first step, every 5th, the last
+    assert report.timeline[-1]["simulated_s"] == pytest.approx(report.simulated_s - 0.02)  # the last step (20 ms)
     assert all(sum(x[s] for s in ("free", "active", "cached", "in_flight")) == 48 for x in report.timeline)
     times = [x["simulated_s"] for x in report.timeline]
     assert times == sorted(times)

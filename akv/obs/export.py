@@ -1,4 +1,4 @@
-"""Exporting a manager's metrics from akv's commands: serve them over HTTP, write them to a file.
+"""Exporting a manager's metrics from akv's commands: serve them over HTTP, render them for a file.
 
 For applications (akv's own commands use them); the library itself never
 starts a server or writes a file.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from prometheus_client import generate_latest, start_http_server
@@ -35,6 +34,6 @@ def serve_metrics(registry: Any, port: int, *, addr: str = "127.0.0.1") -> Itera
         thread.join(timeout=5.0)
 
 
-def write_metrics(registry: Any, path: Path) -> None:
-    """Write the current values of ``registry`` to ``path`` in the Prometheus text format."""
-    Path(path).write_bytes(generate_latest(registry))
+def metrics_text(registry: Any) -> bytes:
+    """The current values of ``registry`` in the Prometheus text format (UTF-8 bytes)."""
+    return generate_latest(registry)

@@ -6,6 +6,7 @@ line is counted and skipped, never fatal.
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections import Counter
 from collections.abc import Hashable, Iterable
@@ -33,9 +34,22 @@ class LogFile:
 
 
 def read_log(path: Path | str) -> LogFile:
-    """Parse a JSON-lines log; skip (and list) lines that are not complete JSON objects."""
+    """Parse a JSON-lines log, gzipped or not; skip (and list) lines that are not complete JSON objects.
+
+    Args:
+        path: The log (``.jsonl``, or gzip data such as ``.jsonl.gz``, told by its first bytes).
+
+    Returns:
+        The events and the numbers of the unreadable lines.
+
+    Raises:
+        OSError: The file cannot be read, or is corrupt gzip data.
+    """
     out = LogFile()
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open(path, "rb") as raw:
+        gzipped = raw.read(2) == b"\x1f\x8b"
+    opener = gzip.open if gzipped else open
+    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import structlog
 
+__all__ = ["configure_logging", "log_file_error"]
+
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
@@ -21,6 +23,45 @@ def _level(name: str) -> int:
         return _LEVELS[name.lower()]
     except (KeyError, AttributeError):
         raise ValueError(f"unknown log level {name!r}; use one of {', '.join(_LEVELS)}") from None
+
+
+class _JsonFileHandler(logging.FileHandler):
+    """The ``json_path`` file: a failed write is kept (for :func:`log_file_error`), never a traceback on stderr."""
+
+    error: OSError | None = None
+
+    def flush(self) -> None:
+        try:
+            super().flush()
+        except OSError as exc:
+            self.error = self.error or exc
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError as exc:  # the buffered lines of a full disk: already reported by flush
+            self.error = self.error or exc
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        exc = sys.exc_info()[1]
+        if self.error is None:
+            self.error = exc if isinstance(exc, OSError) else OSError(str(exc))
+
+
+def log_file_error() -> tuple[str, OSError] | None:
+    """The first failed write to the ``json_path`` file of :func:`configure_logging`, after a flush.
+
+    Returns:
+        ``(path, error)`` if a write to the JSON-lines file failed (e.g. the
+        disk is full: later events are lost), else ``None`` (also without a
+        file).
+    """
+    for handler in logging.getLogger("akv").handlers:
+        if isinstance(handler, _JsonFileHandler):
+            handler.flush()
+            if handler.error is not None:
+                return handler.baseFilename, handler.error
+    return None
 
 
 def configure_logging(
@@ -45,7 +86,8 @@ def configure_logging(
             JSON object per line to this file (truncated).
         json_level: Level name of the ``json_path`` file (default ``info``:
             one line per batch of work; ``debug`` adds the per-sequence
-            events); ignored without ``json_path``.
+            events); ignored without ``json_path``. A write to it that fails
+            prints nothing: :func:`log_file_error` reports it.
 
     Raises:
         ValueError: Unknown level name.
@@ -82,7 +124,7 @@ def configure_logging(
     )
     root.addHandler(console)
     if json_path is not None:
-        handler = logging.FileHandler(json_path, mode="w", encoding="utf-8")
+        handler = _JsonFileHandler(json_path, mode="w", encoding="utf-8")
         handler.setLevel(file_level)
         handler.setFormatter(
             structlog.stdlib.ProcessorFormatter(

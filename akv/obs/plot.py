@@ -118,9 +118,9 @@ def plot_replay(timeline: list[dict], path: Path | str) -> Any:
     _count_axis(ax_blocks, [sum(x[s] for s in states) for x in timeline])
     ax_blocks.legend(loc="upper right", fontsize="small")
     ax_blocks.set_title("pool by state")
-    hits = [x["hit_rate"] for x in timeline]
+    hits = [100.0 * x["hit_rate"] for x in timeline]
     ax_hits.plot(t, hits, color="tab:green")
-    ax_hits.set_ylabel("prefix hit rate (cumulative)")
+    ax_hits.set_ylabel("prefix hit rate, % (cumulative)")
     ax_hits.set_ylim(*fit_ylim(hits, from_zero=False))
     evictions = [x["evictions"] for x in timeline]
     preemptions = [x["preemptions"] for x in timeline]

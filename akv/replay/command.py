@@ -19,11 +19,11 @@ from pathlib import Path
 
 import anyio
 
-from akv.argtypes import UsageError, float_range, int_range, log_level, output_path, png_path
+from akv.argtypes import UsageError, float_range, input_path, int_range, log_level, output_path, png_path, write_output
 from akv.config import MODEL_SHAPES, KVCacheConfig, model_shape
 from akv.trace import MAX_REQUEST_TOKENS, TraceRequest
 
-__all__ = ["MAX_BLOCK_SIZE", "MAX_NUM_BLOCKS", "MAX_SHARDS", "main_replay", "register"]
+__all__ = ["MAX_BLOCK_SIZE", "MAX_LIMIT", "MAX_NUM_BLOCKS", "MAX_SHARDS", "main_replay", "register"]
 
 #: Largest ``--num-blocks`` (also after ``--pool-gib``): about 40 bytes of metadata a block, 2.7 GB at this size.
 MAX_NUM_BLOCKS = 1 << 26
@@ -31,6 +31,8 @@ MAX_NUM_BLOCKS = 1 << 26
 MAX_SHARDS = 1024
 #: Largest ``--block-size`` (tokens per block).
 MAX_BLOCK_SIZE = 1 << 16
+#: Largest ``--limit`` (requests replayed).
+MAX_LIMIT = 1 << 40
 
 
 def _add_logging_options(parser: argparse.ArgumentParser) -> None:
@@ -58,8 +60,10 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
             "Mooncake conversation trace shipped inside the package."
         ),
     )
-    rp.add_argument("trace", nargs="?", type=Path, help="Mooncake JSONL trace (.jsonl or .jsonl.gz)")
-    rp.add_argument("--limit", type=int_range(1), help="replay only the first N requests")
+    rp.add_argument("trace", nargs="?", type=input_path, help="Mooncake JSONL trace (.jsonl or .jsonl.gz)")
+    rp.add_argument(
+        "--limit", type=int_range(1, MAX_LIMIT), help=f"replay only the first N requests, 1 to {MAX_LIMIT:,}"
+    )
     rp.add_argument(
         "--block-size",
         type=int_range(1, MAX_BLOCK_SIZE),
@@ -193,8 +197,38 @@ def _serve_metrics(kv: object, args: argparse.Namespace) -> ExitStack:
         port = stack.enter_context(serve_metrics(kv.metrics_registry, args.metrics_port, addr=args.metrics_addr))
     except OSError as exc:
         raise UsageError(f"cannot serve metrics on {args.metrics_addr}:{args.metrics_port}: {exc}") from None
-    print(f"akv: serving metrics on http://{args.metrics_addr}:{port}/metrics", file=sys.stderr)
+    host = f"[{args.metrics_addr}]" if ":" in args.metrics_addr else args.metrics_addr  # an IPv6 address
+    print(f"akv: serving metrics on http://{host}:{port}/metrics", file=sys.stderr)
     return stack
+
+
+def _write_outputs(
+    args: argparse.Namespace, report: object, config: KVCacheConfig, path: Path, registry: object
+) -> None:
+    """The summary and the output files, the JSON report first: a failed plot never loses it."""
+    from akv.obs.export import metrics_text
+    from akv.replay.report import print_summary
+
+    print_summary(report, config, path)
+    if args.json_path is not None:
+        data = report.as_json()
+        data.update(
+            trace=str(path),
+            model=config.model.name,
+            storage=config.storage,
+            pool_bytes=config.pool_bytes,
+            bytes_per_block=config.bytes_per_block,
+        )
+        write_output("--json", args.json_path, json.dumps(data, indent=2) + "\n")
+    if args.metrics_out is not None:
+        write_output("--metrics-out", args.metrics_out, metrics_text(registry))
+    if args.plot is not None:
+        from akv.obs.plot import plot_replay
+
+        try:
+            plot_replay(report.timeline, args.plot)
+        except OSError as exc:
+            raise UsageError(f"--plot {str(args.plot)!r}: cannot write: {exc.strerror or exc}") from None
 
 
 def main_replay(args: argparse.Namespace) -> int:
@@ -207,9 +241,8 @@ def main_replay(args: argparse.Namespace) -> int:
         InvalidInput: The configuration is refused (exit 2).
     """
     from akv.manager import KVCacheManager
-    from akv.obs.export import write_metrics
     from akv.replay import ReplayOptions, replay
-    from akv.replay.report import print_summary, progress_bar
+    from akv.replay.report import progress_bar
     from akv.trace import default_trace_path, read_trace
 
     path = args.trace or default_trace_path()
@@ -233,23 +266,7 @@ def main_replay(args: argparse.Namespace) -> int:
 
     with _serve_metrics(kv, args):
         report = anyio.run(run)
-    if args.metrics_out is not None:
-        write_metrics(kv.metrics_registry, args.metrics_out)
-    if args.plot is not None:
-        from akv.obs.plot import plot_replay
-
-        plot_replay(report.timeline, args.plot)
-    print_summary(report, config, path)
-    if args.json_path is not None:
-        data = report.as_json()
-        data.update(
-            trace=str(path),
-            model=config.model.name,
-            storage=config.storage,
-            pool_bytes=config.pool_bytes,
-            bytes_per_block=config.bytes_per_block,
-        )
-        args.json_path.write_text(json.dumps(data, indent=2) + "\n")
+    _write_outputs(args, report, config, path, kv.metrics_registry)
     if report.requests_rejected and not report.requests_finished:
         raise UsageError(
             f"no request finished: all {report.requests_rejected:,} were dropped, each needing more blocks "

@@ -57,7 +57,8 @@ class ReplayOptions:
             model runner would need (``akv replay`` turns it off in metadata
             mode, where no runner reads them).
         timeline_every_steps: Sample ``kv.stats()`` into ``report.timeline``
-            every this many steps (0: no timeline; ``akv replay --plot``).
+            every this many steps, and at the first and the last step (0: no
+            timeline; ``akv replay --plot``).
     """
 
     max_batch: int = 256
@@ -176,6 +177,7 @@ async def replay(
     appends: dict[str, int] = {}  # the next step's decode tokens, in the order of ``running``
     latencies: list[float] = []
     now_ms = 0.0
+    sampled_step = 0
     done = 0
     next_progress = time.perf_counter() + 1.0
     t_start = time.perf_counter()
@@ -325,13 +327,17 @@ async def replay(
 
         report.peak_blocks_in_use = max(report.peak_blocks_in_use, kv.blocks_in_use)
         report.peak_running = max(report.peak_running, len(running))
-        if options.timeline_every_steps and report.decode_steps % options.timeline_every_steps == 0:
+        every = options.timeline_every_steps
+        if every and (report.decode_steps == 1 or report.decode_steps % every == 0):
             report.timeline.append(_sample(now_ms, await kv.stats()))
+            sampled_step = report.decode_steps
         now_ms += options.step_ms
         if progress is not None and time.perf_counter() >= next_progress:
             progress(done, len(requests))
             next_progress = time.perf_counter() + 1.0
 
+    if options.timeline_every_steps and report.decode_steps > sampled_step:  # the last step, so a short run has two
+        report.timeline.append(_sample(now_ms - options.step_ms, await kv.stats()))
     if progress is not None:
         progress(done, len(requests))
     report.wall_s = time.perf_counter() - t_start
