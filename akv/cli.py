@@ -47,8 +47,8 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", **debug)
     sub = parser.add_subparsers(dest="command", required=True)
 
+    from akv.cli_replay import register as register_replay
     from akv.generate import register as register_generate
-    from akv.replay.command import register as register_replay
     from akv.stress import register as register_stress
 
     commands = [register_replay(sub), _add_inspect_parser(sub), register_stress(sub), register_generate(sub)]
@@ -124,7 +124,7 @@ def _print_inspect(path: Path, log: object, summary: dict, bursts: list[dict]) -
 
 def _run_command(args: argparse.Namespace) -> int:
     if args.command == "replay":
-        from akv.replay.command import main_replay
+        from akv.cli_replay import main_replay
 
         return main_replay(args)
     if args.command == "inspect":
