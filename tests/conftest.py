@@ -36,7 +36,9 @@ if TYPE_CHECKING:
 #: Examples per hypothesis test in the ``ci`` profile (tests with their own ``max_examples`` keep it).
 CI_MAX_EXAMPLES = 100
 
-settings.register_profile("dev", deadline=None)
+# derandomize=False explicitly: hypothesis derandomizes its default settings when it sees a CI
+# environment variable, and dev (random search, no deadline) must mean the same everywhere.
+settings.register_profile("dev", deadline=None, derandomize=False)
 settings.register_profile("ci", deadline=None, derandomize=True, max_examples=CI_MAX_EXAMPLES, database=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
