@@ -160,7 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     Raises:
         SystemExit: From argparse (exit 2) on a bad option, or for ``--help``.
     """
-    args = _build_parser().parse_args(argv)
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if clash := _same_file(args):  # before the log file is opened: it would truncate the other one
+        print(f"akv {args.command}: error: {clash}", file=sys.stderr)
+        return 2
     try:
         _configure_logging(args)
         code = _run_command(args)
@@ -178,6 +182,31 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exception(exc)
         print(line, file=sys.stderr)
         return code
+
+
+#: Path arguments of every command, by argparse ``dest``, with the name an error gives them.
+_PATH_ARGS = (
+    ("trace", "the trace"),
+    ("logfile", "the log"),
+    ("json_path", "--json"),
+    ("metrics_out", "--metrics-out"),
+    ("log_json", "--log-json"),
+    ("plot", "--plot"),
+)
+
+
+def _same_file(args: argparse.Namespace) -> str | None:
+    """A message if two path arguments name one file (an output would overwrite an input or another output)."""
+    seen: dict[str, str] = {}
+    for dest, name in _PATH_ARGS:
+        path = getattr(args, dest, None)
+        if path is None:
+            continue
+        key = os.path.realpath(path)
+        if key in seen:
+            return f"{seen[key]} and {name} name the same file {str(path)!r}: give each its own path"
+        seen[key] = name
+    return None
 
 
 def _check_log_file() -> None:

@@ -12,6 +12,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 import anyio
+import numpy as np
 
 from akv.actors.messages import Room
 from akv.core.ids import NUMPY_INTEGER_TYPES, describe, plain_id
@@ -152,7 +153,7 @@ class SequenceCalls:
         Args:
             seq_id: A live sequence.
             num_tokens: Tokens about to be appended (an ``int >= 1``).
-            timeout_s: Longest wait, in seconds (a real ``>= 0``;
+            timeout_s: Longest wait, in seconds (an int, float or numpy float ``>= 0``;
                 ``math.inf`` waits without limit).
 
         Raises:
@@ -168,8 +169,9 @@ class SequenceCalls:
         seq_id = plain_id(seq_id, "seq_id of wait_for_room()")
         if type(num_tokens) not in (int, *NUMPY_INTEGER_TYPES) or num_tokens < 1:
             raise InvalidInput(f"num_tokens must be an int >= 1, got {describe(num_tokens)}")
-        if type(timeout_s) not in (int, float) or not timeout_s >= 0:
+        if type(timeout_s) not in (int, float, np.float64, np.float32, np.float16) or not timeout_s >= 0:
             raise InvalidInput(f"timeout_s must be a real number >= 0 (math.inf: no limit), got {describe(timeout_s)}")
+        timeout_s = float(timeout_s)
         shard = self._shards[0] if len(self._shards) == 1 else self._shards[self._shard_map.owner(seq_id)]
         msg = Room(seq_id, int(num_tokens))
         changed = shard.room_changed()  # taken before each look: a change after it is not missed

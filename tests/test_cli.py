@@ -419,3 +419,29 @@ def test_ipv6_metrics_address_is_bracketed(tmp_path: Path, restore_logging, caps
     path = _trace(tmp_path, [_record()])
     assert main(["replay", str(path), *FAST, "--metrics-port", "0", "--metrics-addr", "::1"]) == 0
     assert re.search(r"serving metrics on http://\[::1\]:\d+/metrics", capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    ("options", "names"),
+    [
+        (["--json", "{trace}"], "the trace and --json"),
+        (["--log-json", "{trace}"], "the trace and --log-json"),
+        (["--metrics-out", "{trace}"], "the trace and --metrics-out"),
+        (["--json", "same.out", "--log-json", "same.out"], "--json and --log-json"),
+        (["--json", "r.json", "--metrics-out", "./r.json"], "--json and --metrics-out"),
+    ],
+)
+def test_two_path_arguments_naming_one_file_exit_2_and_touch_nothing(tmp_path, monkeypatch, capsys, options, names):
+    """An output on the trace (or on another output) is refused before any file is opened: nothing is overwritten."""
+    monkeypatch.chdir(tmp_path)
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 20, "output_length": 3, "hash_ids": [1]}\n')
+    before = trace.read_bytes()
+    argv = ["replay", str(trace), "--no-progress", *(o.format(trace=trace) for o in options)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith(f"akv replay: error: {names} name the same file ")
+    assert err[0].endswith(": give each its own path")
+    assert trace.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]

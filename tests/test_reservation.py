@@ -572,3 +572,15 @@ async def test_wait_for_room_validates_its_arguments(tiny_config, num_tokens, ti
         with pytest.raises(UnknownSequence):
             await kv.wait_for_room("nobody", 1, 1.0)
         await kv.check()
+
+
+@pytest.mark.anyio
+async def test_wait_for_room_takes_numpy_float_timeouts(tiny_config) -> None:
+    """``timeout_s`` as a numpy float is a real number like any other (found by a README-only review)."""
+    async with KVCacheManager(tiny_config(num_blocks=8)) as kv:
+        await kv.add_sequence("a", [1, 2, 3])
+        for timeout in (np.float64(0.5), np.float32(0.5)):
+            await kv.wait_for_room("a", 1, timeout)  # room is there: returns at once
+        with pytest.raises(InvalidInput, match="timeout_s"):
+            await kv.wait_for_room("a", 1, np.float64("nan"))
+        await kv.check()
