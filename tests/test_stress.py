@@ -137,6 +137,20 @@ async def test_fatal_fault_fails_every_caller_fast_and_still_reports_leaks(fault
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize(("operations", "after"), [(40, 5), (20, 5), (20, 15)])
+async def test_fatal_fault_in_a_small_run_reports_every_caller(seed: int, operations: int, after: int) -> None:
+    """``--sequences 8 --fault crash`` soon after the start: a failure seen by an audit or a cleanup free is expected."""
+    report = await run_stress(
+        _count_run(seed=seed, sequences=8, operations=operations, fault="crash", fault_after_programs=after)
+    )
+    fi = report.fault_injection
+    assert fi is not None and fi.injected and fi.tasks_failed_fast == fi.tasks and fi.tasks_hung == 0
+    assert report.unexpected_errors == 0 and report.invariant_violations == 0, (report.errors, report.samples)
+    assert report.ok, report.failures
+
+
+@pytest.mark.anyio
 async def test_slow_copies_leave_a_clean_run() -> None:
     report = await run_stress(_count_run(seed=4, fault="slow_copies", fault_after_programs=1))
     fi = report.fault_injection
