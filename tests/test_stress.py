@@ -137,6 +137,31 @@ async def test_fatal_fault_fails_every_caller_fast_and_still_reports_leaks(fault
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize(("operations", "after"), [(40, 5), (20, 5), (20, 15)])
+async def test_fatal_fault_in_a_small_run_reports_every_caller(seed: int, operations: int, after: int) -> None:
+    """``--sequences 8 --fault crash`` soon after the start: a failure seen by an audit or a cleanup free is expected."""
+    report = await run_stress(
+        _count_run(seed=seed, sequences=8, operations=operations, fault="crash", fault_after_programs=after)
+    )
+    fi = report.fault_injection
+    assert fi is not None and fi.injected and fi.tasks_failed_fast == fi.tasks and fi.tasks_hung == 0
+    assert report.unexpected_errors == 0 and report.invariant_violations == 0, (report.errors, report.samples)
+    assert report.ok, report.failures
+
+
+@pytest.mark.anyio
+async def test_a_timed_fault_the_run_ends_before_says_so() -> None:
+    report = await run_stress(_count_run(sequences=8, operations=20, fault="crash", fault_after_s=800.0))
+    fi = report.fault_injection
+    assert fi is not None and not fi.injected
+    assert fi.not_injected == "the run ended before --fault-after-s"
+    expected = "fault injection (crash): fault not injected: the run ended before --fault-after-s"
+    assert [f for f in report.failures if f.startswith("fault injection")] == [expected]
+    assert not report.ok
+
+
+@pytest.mark.anyio
 async def test_slow_copies_leave_a_clean_run() -> None:
     report = await run_stress(_count_run(seed=4, fault="slow_copies", fault_after_programs=1))
     fi = report.fault_injection
@@ -292,6 +317,8 @@ def test_out_of_range_options_exit_2(argv: list[str], capsys) -> None:
         (["--fault", "slow_copies", "--inject-crash-after-s", "1"], "inject_crash_after_s"),
         (["--fault-after-s", "3"], "--fault-after-s needs --fault"),
         (["--fault-after-programs", "5"], "--fault-after-programs needs --fault"),
+        (["--operations", "20", "--fault", "crash", "--fault-after-programs", "50"], "must be below --operations 20"),
+        (["--operations", "20", "--fault", "crash", "--fault-after-programs", "20"], "must be below --operations 20"),
         (["--num-blocks", "8"], "needs 21 blocks"),
         (["--shards", "3", "--num-blocks", "62"], "needs 21 blocks"),
         (["--block-size", "1", "--num-blocks", "200"], "needs 201 blocks"),

@@ -134,6 +134,11 @@ class StressOptions:
             raise ValueError(f"fault must be one of {', '.join(FAULTS)}, got {self.fault!r}")
         if self.fault == "shard_exception" and self.shards < 2:
             raise ValueError("fault 'shard_exception' needs shards >= 2 (the other shards keep serving)")
+        after, budget = self.fault_after_programs, self.operations
+        if after is not None and budget is not None and after >= budget:
+            raise ValueError(
+                f"--fault-after-programs {after} must be below --operations {budget} (the fault could never fire)"
+            )
         if self.fault is not None and not 0 <= self.fault_after_s < self.duration_s:
             raise ValueError(f"fault_after_s must lie in [0, duration_s={self.duration_s}), got {self.fault_after_s!r}")
         need = max_sequence_blocks(self.block_size)

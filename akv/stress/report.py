@@ -26,6 +26,7 @@ class FaultInjection:
         max_error_latency_s: Longest time from the fault to a task's error.
         aexit_raised: ``KVCacheManager.__aexit__`` raised ``ActorCrashed``.
         fresh_manager_ok: A short program on a new manager passed every check.
+        not_injected: Why the fault never took effect (empty when it did).
     """
 
     kind: str
@@ -38,19 +39,30 @@ class FaultInjection:
     max_error_latency_s: float | None
     aexit_raised: bool
     fresh_manager_ok: bool
+    not_injected: str = ""
+
+    @property
+    def problems(self) -> list[str]:
+        """What went wrong, each said once: the fault did not take effect, or (if fatal) what did not follow."""
+        if not self.injected:
+            return [f"fault not injected: {self.not_injected or 'it never took effect'}"]
+        if not self.fatal:
+            return []
+        out = []
+        if self.tasks_failed_fast != self.tasks:
+            out.append(f"{self.tasks - self.tasks_failed_fast} of {self.tasks} callers did not fail fast")
+        if self.tasks_hung:
+            out.append(f"{self.tasks_hung} tasks hung")
+        if not self.aexit_raised:
+            out.append("the exit did not raise ActorCrashed")
+        if not self.fresh_manager_ok:
+            out.append("the fresh manager failed")
+        return out
 
     @property
     def ok(self) -> bool:
         """The fault took effect; if fatal: every caller failed fast, the exit raised, a fresh manager works."""
-        if not self.fatal:
-            return self.injected
-        return (
-            self.injected
-            and self.tasks_hung == 0
-            and self.tasks_failed_fast == self.tasks
-            and self.aexit_raised
-            and self.fresh_manager_ok
-        )
+        return not self.problems
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -131,11 +143,8 @@ class StressReport:
         fatal = self.fault_injection is not None and self.fault_injection.fatal
         if self.nonempty_inboxes and not fatal:
             out.append(f"inboxes not empty: {self.nonempty_inboxes}")
-        if self.fault_injection is not None and not self.fault_injection.ok:
-            out.append(
-                f"fault injection ({self.fault_injection.kind}): not injected, a caller did not fail fast, "
-                "the exit did not raise, or the fresh manager failed"
-            )
+        if self.fault_injection is not None:
+            out.extend(f"fault injection ({self.fault_injection.kind}): {p}" for p in self.fault_injection.problems)
         if self.unexpected_errors:
             out.append(f"{self.unexpected_errors} unexpected errors")
         if self.hung_calls:

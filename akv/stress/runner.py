@@ -247,7 +247,20 @@ async def _fault_verdict(options: StressOptions, out: Outcome, metrics: Metrics,
         max_error_latency_s=round(max(latencies), 6) if latencies else None,
         aexit_raised=out.aexit_raised,
         fresh_manager_ok=fresh_ok,
+        not_injected=_why_not_injected(options, inj),
     )
+
+
+def _why_not_injected(options: StressOptions, inj: FaultInjector | None) -> str:
+    """Why the fault never took effect: its trigger never came, or nothing reached the armed component."""
+    if inj is None or inj.fired_at is not None:
+        return ""
+    if inj.armed:
+        return f"nothing reached {inj.actor} after the fault was armed"
+    if options.fault_after_programs is not None:
+        return "the run ended before --fault-after-programs"
+    flag = "--inject-crash-after-s" if options.inject_crash_after_s is not None else "--fault-after-s"
+    return f"the run ended before {flag}"
 
 
 def _build_report(

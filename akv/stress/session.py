@@ -151,7 +151,13 @@ class Session:
         self.alive += 1
         try:
             async with anyio.create_task_group() as helpers:
-                while anyio.current_time() < deadline and await self._next_program():
+                while anyio.current_time() < deadline:
+                    try:
+                        if not await self._next_program():
+                            break
+                    except MANAGER_DOWN as exc:  # the audit due at this program number saw the failure
+                        self.manager_down(index, exc)
+                        break
                     kind = rng.choices(names, weights)[0]
                     self.metrics.programs[kind] += 1
                     down = False
