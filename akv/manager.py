@@ -277,7 +277,9 @@ class KVCacheManager(SequenceCalls, ManagerQueries):
         if self._phase == "running":
             return
         if self._failure is not None:
-            raise self._failure
+            # One stored error for every later call: drop the frames of its earlier raises, or
+            # its traceback grows with each call and points at where it was raised first.
+            raise self._failure.with_traceback(None)
         raise ManagerClosed(f"KVCacheManager is {self._phase}; use it inside 'async with'")
 
     async def _ask(self, actor: Actor, msg: Any, on_reply: Callable[[Any], object] | None = None) -> Any:

@@ -387,3 +387,23 @@ async def test_cancelled_caller_then_free_leaks_nothing(tiny_config) -> None:
         assert stats.cached == stats.prefix_cache_blocks == 2 * num_committed
         assert stats.free == 48 - 2 * num_committed
         await kv.check()
+
+
+async def test_the_stored_crash_keeps_a_traceback_of_one_call(tiny_config, monkeypatch) -> None:
+    """Every call after a crash raises the stored ActorCrashed; its traceback must not pile up the earlier raises."""
+    import traceback
+
+    def exploding_step(self, request):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(ShardState, "step", exploding_step)
+    depths = []
+    with pytest.raises(ActorCrashed):
+        async with KVCacheManager(tiny_config()) as kv:
+            with pytest.raises(ActorCrashed):
+                await kv.add_sequence("boom", [1, 2, 3])
+            for _ in range(3):
+                with pytest.raises(ActorCrashed) as again:
+                    await kv.stats()
+                depths.append(len(traceback.extract_tb(again.value.__traceback__)))
+    assert depths[0] == depths[1] == depths[2]
