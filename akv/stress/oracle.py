@@ -17,19 +17,19 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-_MASK64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
+MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio
 _SEED_HASH = 0x243F6A8885A308D3  # hash of the empty history
 
 
-def _splitmix64(x: int) -> int:
+def splitmix64(x: int) -> int:
     """splitmix64 finalizer on a Python int (Steele, Lea, Flood, OOPSLA 2014)."""
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & MASK64
     return x ^ (x >> 31)
 
 
-def _mix_array(x: np.ndarray) -> np.ndarray:
+def splitmix64_array(x: np.ndarray) -> np.ndarray:
     """splitmix64 finalizer on a uint64 array (wraps modulo 2**64, no warnings on arrays)."""
     x = x ^ (x >> np.uint64(30))
     x = x * np.uint64(0xBF58476D1CE4E5B9)
@@ -46,7 +46,7 @@ def extend_hashes(hashes: list[int], tokens: Iterable[int]) -> None:
     """
     h = hashes[-1] if hashes else _SEED_HASH
     for token in tokens:
-        h = _splitmix64((h ^ ((int(token) + 1) * _GOLDEN & _MASK64)) + _GOLDEN & _MASK64)
+        h = splitmix64((h ^ ((int(token) + 1) * GOLDEN & MASK64)) + GOLDEN & MASK64)
         hashes.append(h)
 
 
@@ -73,7 +73,7 @@ class KVOracle:
         width = num_kv_heads * head_dim
         # (num_layers, 2, num_kv_heads * head_dim) salts, K then V
         idx = np.arange(num_layers * 2 * width, dtype=np.uint64) + np.uint64(1)
-        self._salts = _mix_array(idx * np.uint64(_GOLDEN)).reshape(num_layers, 2, width)
+        self._salts = splitmix64_array(idx * np.uint64(GOLDEN)).reshape(num_layers, 2, width)
 
     def values(self, hashes: list[int] | np.ndarray) -> torch.Tensor:
         """Expected K and V of the tokens whose history hashes are ``hashes``.
@@ -86,7 +86,7 @@ class KVOracle:
         """
         h = np.asarray(hashes, dtype=np.uint64)
         # (n, 1, 1, 1) ^ (1, L, 2, H*D) -> (n, L, 2, H*D)
-        mixed = _mix_array(h[:, None, None, None] ^ self._salts[None])
+        mixed = splitmix64_array(h[:, None, None, None] ^ self._salts[None])
         vals = (mixed >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24) - np.float32(0.5)
         out = torch.from_numpy(np.ascontiguousarray(vals.transpose(1, 2, 0, 3)))
         return out.view(self.num_layers, 2, len(h), self.num_kv_heads, self.head_dim)

@@ -31,26 +31,9 @@ from collections.abc import Callable, Hashable, Sequence
 import numpy as np
 import torch
 
+from akv.stress.oracle import GOLDEN, MASK64, splitmix64, splitmix64_array
+
 __all__ = ["ModelSequence", "PrefixModel", "history_values"]
-
-_MASK64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
-
-
-def _mix(x: int) -> int:
-    """splitmix64 finalizer (Steele, Lea, Flood, OOPSLA 2014) on a Python int."""
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
-    return x ^ (x >> 31)
-
-
-def _mix_array(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finalizer on a uint64 array (wraps modulo 2**64)."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * np.uint64(0xBF58476D1CE4E5B9)
-    x = x ^ (x >> np.uint64(27))
-    x = x * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
 
 
 def history_values(
@@ -74,11 +57,11 @@ def history_values(
     h = int.from_bytes(hashlib.blake2b(repr(namespace).encode(), digest_size=8).digest(), "little")
     hashes = []
     for token in tokens:
-        h = _mix((h ^ ((int(token) + 1) * _GOLDEN & _MASK64)) + _GOLDEN & _MASK64)
+        h = splitmix64((h ^ ((int(token) + 1) * GOLDEN & MASK64)) + GOLDEN & MASK64)
         hashes.append(h)
     width = 2 * num_layers * num_kv_heads * head_dim
-    salts = _mix_array((np.arange(width, dtype=np.uint64) + np.uint64(7)) * np.uint64(_GOLDEN))
-    mixed = _mix_array(np.asarray(hashes, dtype=np.uint64)[:, None] ^ salts[None, :])  # (n, width)
+    salts = splitmix64_array((np.arange(width, dtype=np.uint64) + np.uint64(7)) * np.uint64(GOLDEN))
+    mixed = splitmix64_array(np.asarray(hashes, dtype=np.uint64)[:, None] ^ salts[None, :])  # (n, width)
     vals = (mixed >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24) - np.float32(0.5)
     vals = vals.reshape(len(hashes), num_layers, 2, num_kv_heads, head_dim).transpose(1, 2, 0, 3, 4)
     return torch.from_numpy(np.ascontiguousarray(vals))
