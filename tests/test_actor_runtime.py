@@ -1,8 +1,10 @@
 """The actor runtime's direct hand-off: an idle actor serves an ask on the asking task.
 
-Checked behaviourally, on asyncio and trio: which task ran the handler, message
-order when asks queue, typed errors and crashes on either path, and that a
-cancelled call through the manager applied exactly what its caller observed.
+Checked behaviourally, on asyncio and trio (``AKV_TEST_BACKENDS`` replaces the
+list, e.g. with uvloop): which task ran the handler, that direct asks let other
+tasks run, message order when asks queue, typed errors and crashes on either
+path, and that a cancelled call through the manager applied exactly what its
+caller observed. The other guarantees are in ``tests/test_actor_guarantees.py``.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from akv.config import KVCacheConfig
 from akv.errors import ActorCrashed, InvalidInput, ManagerClosed, UnknownSequence
 from akv.manager import KVCacheManager
 
-#: Every async test runs on asyncio and on trio.
-both_backends = pytest.mark.parametrize("anyio_backend", ["asyncio", pytest.param("trio", marks=TRIO_OK)])
+
+@pytest.fixture(params=["asyncio", pytest.param("trio", marks=TRIO_OK)])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Every async test runs on asyncio and on trio (overridden by ``AKV_TEST_BACKENDS``)."""
+    return request.param
 
 
 class Recorder(Actor):
@@ -42,15 +47,12 @@ class Recorder(Actor):
 
 
 async def _started(tg: anyio.abc.TaskGroup, actor: Actor) -> None:
-    """Start ``actor.run`` and wait until it serves."""
+    """Start ``actor.run`` and return once it waits for messages."""
     tg.start_soon(actor.run)
-    with anyio.fail_after(5):
-        while not actor._running:
-            await anyio.lowlevel.checkpoint()
+    await anyio.wait_all_tasks_blocked()
 
 
 @pytest.mark.anyio
-@both_backends
 async def test_idle_actor_serves_on_the_askers_task() -> None:
     actor = Recorder()
     me = anyio.get_current_task().id
@@ -66,7 +68,26 @@ async def test_idle_actor_serves_on_the_askers_task() -> None:
 
 
 @pytest.mark.anyio
-@both_backends
+async def test_direct_asks_let_other_tasks_run() -> None:
+    """The direct path's checkpoint yields: a task that only asks an idle actor does not starve the others."""
+    actor = Recorder()
+    ran = anyio.Event()
+
+    async def other() -> None:
+        ran.set()
+
+    async with anyio.create_task_group() as tg:
+        await _started(tg, actor)
+        tg.start_soon(other)
+        for i in range(10):  # trio may run the other task one scheduling batch later
+            await actor.ask(i)
+            if ran.is_set():
+                break
+        assert ran.is_set() and actor.messages_direct == actor.messages_handled <= 10
+        actor.close()
+
+
+@pytest.mark.anyio
 async def test_direct_false_queues_every_ask_for_the_actors_task() -> None:
     actor = Recorder(direct=False)
     me = anyio.get_current_task().id
@@ -82,7 +103,6 @@ async def test_direct_false_queues_every_ask_for_the_actors_task() -> None:
 
 
 @pytest.mark.anyio
-@both_backends
 async def test_asks_queued_before_the_actor_starts_are_served_first_in_order() -> None:
     """The fallback: asks queue until ``run`` starts; a later ask comes after them, direct or queued."""
     actor = Recorder(inbox_capacity=4)
@@ -94,18 +114,13 @@ async def test_asks_queued_before_the_actor_starts_are_served_first_in_order() -
     async with anyio.create_task_group() as tg:
         for i in range(6):  # one at a time, so the inbox order is known; 4 fit, 2 wait for room
             tg.start_soon(ask, i)
-            with anyio.fail_after(5):
-                while actor.inbox_depth < min(i + 1, 4):
-                    await anyio.lowlevel.checkpoint()
-        for _ in range(5):
-            await anyio.lowlevel.checkpoint()
+            await anyio.wait_all_tasks_blocked()
         assert actor.inbox_depth == 4 and actor.max_inbox_depth == 4 and not actor.seen
         assert not actor.can_serve_now  # not started
         tg.start_soon(actor.run)
         await ask("late")  # queued behind the four, or served after they drained
-        with anyio.fail_after(5):
-            while len(replies) < 7:
-                await anyio.lowlevel.checkpoint()
+        await anyio.wait_all_tasks_blocked()
+        assert len(replies) == 7
         actor.close()
     assert actor.seen[:4] == [0, 1, 2, 3]  # 4 and 5 were not sent yet (no room): no order among them and "late"
     assert sorted(map(str, actor.seen[4:])) == ["4", "5", "late"]
@@ -114,7 +129,6 @@ async def test_asks_queued_before_the_actor_starts_are_served_first_in_order() -
 
 
 @pytest.mark.anyio
-@both_backends
 async def test_concurrent_asks_from_a_task_group_are_served_in_inbox_order() -> None:
     """Asks from many tasks at once: served exactly in the order they entered the inbox, then a later one."""
     actor = Recorder()
@@ -122,9 +136,8 @@ async def test_concurrent_asks_from_a_task_group_are_served_in_inbox_order() -> 
     async with anyio.create_task_group() as tg:
         for i in range(10):
             tg.start_soon(actor.ask, i)
-        with anyio.fail_after(5):
-            while actor.inbox_depth < 10:
-                await anyio.lowlevel.checkpoint()
+        await anyio.wait_all_tasks_blocked()
+        assert actor.inbox_depth == 10
         arrival = [msg for msg, _reply in actor._inbox]  # white box: the queue order the scheduler produced
         tg.start_soon(actor.run)
         assert await actor.ask("late") == "late"
@@ -135,7 +148,6 @@ async def test_concurrent_asks_from_a_task_group_are_served_in_inbox_order() -> 
 
 
 @pytest.mark.anyio
-@both_backends
 async def test_typed_error_on_the_direct_path_fails_only_that_ask() -> None:
     actor = Recorder()
     async with anyio.create_task_group() as tg:
@@ -148,29 +160,27 @@ async def test_typed_error_on_the_direct_path_fails_only_that_ask() -> None:
 
 
 @pytest.mark.anyio
-@both_backends
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "queued"])
 async def test_crash_gives_actor_crashed_and_stops_the_actor(direct: bool) -> None:
     """A crash on the direct path looks to every caller exactly like one on the queued path."""
     actor = Recorder(direct=direct)
     crashes: list[tuple[Actor, BaseException]] = []
     actor.on_crash = lambda a, err: crashes.append((a, err))
-    async with anyio.create_task_group() as tg:
-        await _started(tg, actor)
-        with pytest.raises(ActorCrashed) as info:
-            await actor.ask("boom")
-        err = info.value
-        assert err.actor == "recorder" and isinstance(err.__cause__, RuntimeError)
-        assert crashes == [(actor, err)]
-        with pytest.raises(ActorCrashed) as later:
-            await actor.ask(1)
-        assert later.value is err
-        assert not actor.can_serve_now and not actor.seen
-    assert not actor._running  # run() returned: the task group exited
+    with anyio.fail_after(30):  # a hang guard: the task group exits only once run() returned
+        async with anyio.create_task_group() as tg:
+            await _started(tg, actor)
+            with pytest.raises(ActorCrashed) as info:
+                await actor.ask("boom")
+            err = info.value
+            assert err.actor == "recorder" and isinstance(err.__cause__, RuntimeError)
+            assert crashes == [(actor, err)]
+            with pytest.raises(ActorCrashed) as later:
+                await actor.ask(1)
+            assert later.value is err
+            assert not actor.can_serve_now and not actor.seen
 
 
 @pytest.mark.anyio
-@both_backends
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "queued"])
 @pytest.mark.parametrize("shield", [False, True])
 async def test_ask_cancelled_at_its_checkpoint_sends_nothing(direct: bool, shield: bool) -> None:
@@ -187,7 +197,6 @@ async def test_ask_cancelled_at_its_checkpoint_sends_nothing(direct: bool, shiel
 
 
 @pytest.mark.anyio
-@both_backends
 async def test_ask_after_close_raises_manager_closed() -> None:
     actor = Recorder()
     async with anyio.create_task_group() as tg:
@@ -213,7 +222,6 @@ def _config(**overrides: Any) -> KVCacheConfig:
 
 
 @pytest.mark.anyio
-@both_backends
 @pytest.mark.parametrize("num_shards", [1, 2])
 async def test_cancelled_call_applied_exactly_what_its_caller_saw(num_shards: int) -> None:
     """With idle shards a call either returns (applied) or is cancelled (nothing applied): never both."""
@@ -250,7 +258,6 @@ async def test_cancelled_call_applied_exactly_what_its_caller_saw(num_shards: in
 
 
 @pytest.mark.anyio
-@both_backends
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "queued"])
 async def test_shard_crash_fails_the_manager_on_either_path(direct: bool) -> None:
     kv = KVCacheManager(_config())
@@ -275,30 +282,3 @@ async def test_shard_crash_fails_the_manager_on_either_path(direct: bool) -> Non
             with pytest.raises(ActorCrashed):
                 await kv.step(want_metadata=False)
     assert kv._phase == "failed"
-
-
-@both_backends
-@pytest.mark.anyio
-async def test_checkpoint_function_yields_and_is_cancellable(anyio_backend: str) -> None:
-    """The resolved checkpoint lets another task run and raises a pending cancellation."""
-    from akv.actors.runtime import checkpoint_function, current_event_loop
-
-    assert current_event_loop() == anyio_backend
-    checkpoint = checkpoint_function()
-    ran = []
-
-    async def other() -> None:
-        ran.append(True)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(other)
-        for _ in range(10):  # a checkpoint that never yields would never let it run
-            await checkpoint()
-            if ran:
-                break
-        assert ran == [True]
-    with anyio.CancelScope() as scope:
-        scope.cancel()
-        await checkpoint()
-        pytest.fail("a cancelled scope's checkpoint returned")
-    assert scope.cancelled_caught

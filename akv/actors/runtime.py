@@ -1,41 +1,50 @@
-"""A small actor runtime on anyio: bounded inbox, ask, one message at a time.
+"""The actor runtime: a bounded inbox, ``ask``, one message at a time, on anyio's public API only.
 
-Each actor owns its state exclusively and serves messages one at a time, so
-its state needs no lock. Handlers are synchronous (:meth:`Actor.handle` is a
-plain ``def``): a message is served from start to end without any other task
-running in between. ``ask`` sends a message and returns the reply; the reply
-never hangs:
+An :class:`Actor` owns its state exclusively. Its :meth:`~Actor.handle` is a
+plain ``def`` (``async def`` is refused when the class is defined): a message
+is served from start to end with no other task running in between, so the
+state needs no lock. What an actor guarantees:
 
-- a handler that raises an :class:`~akv.errors.AkvError` fails only that ask
-  (the handler validated before changing anything, so the actor goes on);
-- a handler that raises anything else crashes the actor: that ask and every
-  queued or later ask fail with :class:`~akv.errors.ActorCrashed`, and the
-  ``on_crash`` callback (the manager) stops every other actor the same way;
-- an actor stopped while messages wait fails them with the stop error
-  (:class:`~akv.errors.ManagerClosed` on an orderly close).
+- **One message at a time, FIFO.** An ask is *sent* when it enters the inbox
+  or, on the direct path, when it is served; messages are served in the order
+  they were sent (so one task's asks in the order it made them).
+- **Direct hand-off.** While :attr:`~Actor.can_serve_now` (``direct`` set,
+  :meth:`~Actor.run` serving, not closed, inbox empty: no earlier message
+  waits), ``ask`` does one ``anyio.lowlevel.checkpoint`` (other tasks run) and,
+  if the actor still can, runs the handler on the asking task, in its context
+  (contextvars, spans), with no task switch. Otherwise the message is queued
+  (also before ``run`` starts) for the actor's task. :meth:`~Actor.serve` is
+  the hand-off without the checkpoint.
+- **An ask never hangs.** It returns the result or raises the handler's
+  :class:`~akv.errors.AkvError` (that ask alone fails: handlers validate
+  first); :class:`~akv.errors.ActorCrashed` if the handler raised anything
+  else (that ask, every queued and every later one; ``on_crash`` runs, and
+  akv's manager stops the other actors with it); or the stop error:
+  :class:`~akv.errors.ManagerClosed` after ``close`` or once ``run`` ended
+  (e.g. cancelled), the given error after ``stop``.
+- **Cancellation.** Before the message is sent (the first checkpoint, a wait
+  for room in a full inbox) nothing is sent. While an unshielded ask waits for
+  a queued message: an unserved message is withdrawn from the inbox, never to
+  be served; a served one's result goes to ``on_reply``; then the cancellation
+  propagates. ``shield=True`` shields that wait: the message is served,
+  ``on_reply`` gets its result, then the cancellation is re-raised. A direct
+  serve has no await after it. A cancelled ask was not applied, or was applied
+  and ``on_reply`` saw its result.
+- **Close and stop.** After :meth:`~Actor.close`, new asks and senders waiting
+  for room raise ``ManagerClosed`` (nothing queued) and the queued messages
+  are served before ``run`` returns. :meth:`~Actor.stop` fails the queued asks
+  with its error at once and ends ``run``.
 
-Direct hand-off: an ask to an *idle* actor (its task is running, it is not
-closed and its inbox is empty) is served right on the asking task, after one
-checkpoint, instead of being queued for the actor's task: no task switch, no
-event, no reply slot. Order and exclusivity still hold because handlers never
-await: whenever another task runs, the actor is not inside a handler, and an
-empty inbox means no earlier message is waiting. Otherwise the message goes
-through the bounded inbox and the actor's task serves it (FIFO).
-
-Ask graphs must stay acyclic (two actors asking each other deadlock); the
-graph akv uses is drawn in docs/architecture.md.
-
-Modelled on Pykka (asks fail back to the asker; queued asks fail on stop);
-portable across anyio's backends (asyncio, uvloop, trio).
+Ask graphs must stay acyclic (two actors asking each other deadlock); akv's
+is drawn in docs/architecture.md. Modelled on Pykka; runs on asyncio, uvloop
+and trio.
 """
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 from collections import deque
-from collections.abc import Awaitable, Callable
-from functools import partial
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -45,59 +54,37 @@ import structlog
 from akv.errors import ActorCrashed, AkvError, ManagerClosed
 
 
-class Reply:
-    """One-shot reply slot of an ask."""
+class _Reply:
+    """One-shot reply slot of a queued ask: a value or an error, then the event is set."""
 
-    __slots__ = ("_error", "_event", "_value")
+    __slots__ = ("error", "event", "value")
 
-    def __init__(self, event_type: type = anyio.Event) -> None:
-        self._event = event_type()
-        self._value: Any = None
-        self._error: BaseException | None = None
+    def __init__(self) -> None:
+        self.event = anyio.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
 
-    def set(self, value: Any) -> None:
-        """Deliver the result (ignored if already settled)."""
-        if not self._event.is_set():
-            self._value = value
-            self._event.set()
-
-    def fail(self, error: BaseException) -> None:
-        """Deliver an error (ignored if already settled)."""
-        if not self._event.is_set():
-            self._error = error
-            self._event.set()
-
-    @property
-    def settled(self) -> bool:
-        """Whether a result or an error was delivered."""
-        return self._event.is_set()
-
-    async def wait(self) -> Any:
-        """Wait for the result; re-raise a delivered error."""
-        await self._event.wait()
-        if self._error is not None:
-            raise self._error
-        return self._value
+    def settle(self, value: Any = None, error: BaseException | None = None) -> None:
+        """Deliver ``value`` or ``error`` and wake the asker."""
+        self.value, self.error = value, error
+        self.event.set()
 
 
 class Actor:
-    """Base class: subclasses implement :meth:`handle` (synchronous).
+    """Base class of akv's actors: subclasses implement :meth:`handle` (synchronous).
 
-    The inbox is a ``collections.deque`` bounded by ``inbox_capacity`` with
-    two ``anyio.Event`` wake-ups (not empty, not full): a queued ask round trip
-    costs one event set and one wait each way, half of what an anyio memory
-    object stream costs (measured 31 vs 63 us on this 2-core machine under
-    load). An ask to an idle actor skips the inbox (see :meth:`ask`).
+    The inbox is a ``collections.deque`` bounded by ``inbox_capacity``; events wake the
+    actor's task, the senders waiting for room, and each queued ask.
 
     Args:
         name: Name used in logs, metrics and errors.
-        inbox_capacity: Bound of the inbox (messages); senders wait when full.
-        logger: structlog logger to bind ``actor=name`` on.
-        direct: Serve an ask on the asking task when the actor is idle
-            (see :attr:`can_serve_now`); ``False`` sends every ask through the inbox.
+        inbox_capacity: Bound of the inbox (messages); senders wait when it is full.
+        logger: structlog logger to bind ``actor=name`` on (default ``structlog.get_logger("akv")``).
+        direct: Serve an ask on the asking task when the actor is idle (:attr:`can_serve_now`).
 
     Attributes:
         direct: As the argument; may be changed at any time.
+        on_crash: ``callable(actor, error)``, run after a crash stopped this actor.
         max_inbox_depth: Highest number of messages seen waiting in the inbox.
         messages_handled: Messages whose handler ran, by either path.
         messages_direct: Of those, messages served on the asking task.
@@ -109,29 +96,16 @@ class Actor:
             raise TypeError(f"{cls.__name__}.handle must be a plain def: actor handlers never await")
 
     def __init__(self, name: str, inbox_capacity: int, logger: Any = None, *, direct: bool = True) -> None:
-        self.name = name
-        self.inbox_capacity = inbox_capacity
-        self.direct = direct
-        self._inbox: deque[tuple[Any, Reply]] = deque()
-        self._not_empty: anyio.Event | None = None  # set by senders while the actor sleeps
-        self._not_full: anyio.Event | None = None  # set by the actor while senders wait
-        self._running = False  # run() is serving (set on entry, cleared on exit)
-        self._closed = False
-        self._stop_error: BaseException | None = None
-        self._scope: anyio.CancelScope | None = None
-        self._current: Reply | None = None
-        self.on_crash: Callable[[Actor, BaseException], None] | None = None
-        #: The running backend's Event class, resolved once in :meth:`run`:
-        #: ``anyio.Event()`` looks the backend up on every call (2.3 of its 4.9 us).
-        self._event_type: type = anyio.Event
-        #: The direct path's checkpoint, resolved once in :meth:`run` (see :func:`checkpoint_function`).
-        self._checkpoint: Callable[[], Awaitable[None]] = anyio.lowlevel.checkpoint
+        self.name, self.inbox_capacity, self.direct = name, inbox_capacity, direct
+        self.on_crash: Callable[[Actor, BaseException], object] | None = None
         self.log = (logger or structlog.get_logger("akv")).bind(actor=name)
-        self.max_inbox_depth = 0
-        self.messages_handled = 0
-        self.messages_direct = 0
+        self.max_inbox_depth = self.messages_handled = self.messages_direct = 0
+        self._inbox: deque[tuple[Any, _Reply]] = deque()
+        self._wake: anyio.Event | None = None  # the actor's task sleeps on it while the inbox is empty
+        self._room: anyio.Event | None = None  # senders sleep on it while the inbox is full
+        self._running = self._closed = False
+        self._stop_error: BaseException | None = None  # set whenever _closed is
 
-    # ------------------------------------------------------------- callers
     @property
     def inbox_depth(self) -> int:
         """Messages waiting in the inbox now."""
@@ -139,152 +113,162 @@ class Actor:
 
     @property
     def can_serve_now(self) -> bool:
-        """Whether a message given now is served at once on the caller's task (:meth:`serve`).
-
-        True while :attr:`direct` is set, the actor's :meth:`run` is serving,
-        the actor is neither closed nor stopped, and its inbox is empty (so no
-        earlier message is waiting). Handlers never await, so the actor is
-        never inside a handler when another task reads this.
-        """
+        """Whether a message given now would be served at once on the calling task (:meth:`serve`)."""
         return self.direct and self._running and not self._closed and not self._inbox
 
     def serve(self, msg: Any) -> Any:
-        """Serve ``msg`` now, on the calling task (the direct hand-off); the actor must be :attr:`can_serve_now`.
+        """Serve ``msg`` now on the calling task, without a checkpoint; the actor must :attr:`can_serve_now`.
 
-        Synchronous: nothing else runs until it returns, so a caller that
-        serves several such actors in a row without awaiting applies all of
-        the messages or (on an error) stops at the failing one with no other
-        task having seen a partial state.
+        Synchronous: serving several idle actors in a row applies every message
+        (or stops at the first that raises) with no other task running between.
 
         Returns:
             The handler's result.
 
         Raises:
-            AkvError: Whatever typed error the handler raised (the actor goes on).
-            ActorCrashed: The handler raised anything else; the actor is stopped
-                and ``on_crash`` has run, exactly as on the queued path.
-            RuntimeError: Not :attr:`can_serve_now` (a caller's bug: ``ask`` instead).
+            AkvError: The handler's typed error (the actor goes on).
+            ActorCrashed: The handler raised anything else (the actor is stopped, ``on_crash`` has run).
+            RuntimeError: Not :attr:`can_serve_now` (a caller's bug: use :meth:`ask`).
         """
-        if not (self.direct and self._running and not self._closed and not self._inbox):
+        if not self.can_serve_now:
             raise RuntimeError(f"actor {self.name!r} cannot serve on the caller's task now; ask() instead")
         self.messages_direct += 1
         return self._serve(msg)
 
     async def ask(self, msg: Any, *, shield: bool = False, on_reply: Callable[[Any], object] | None = None) -> Any:
-        """Send ``msg`` and return the handler's result.
-
-        First one cancellation point: a cancellation raised there sent
-        nothing. If the actor :attr:`can_serve_now`, that point is a full
-        checkpoint (``anyio.lowlevel.checkpoint``, which also lets other tasks
-        run); if it still can after it, the handler runs right here on the
-        caller's task and its result is returned with no await after it, so a
-        served message's result is never lost to a cancellation. Otherwise the
-        message is queued (waiting for room while the inbox is full:
-        cancellable, nothing sent yet) and the actor's task serves it after
-        every earlier message; the point is then only
-        ``checkpoint_if_cancelled`` (no yield: the wait for the reply yields).
+        """Send ``msg`` and return the handler's result (see the module docstring for the guarantees).
 
         Args:
             msg: The message.
-            shield: Shield the wait for the reply of a queued message: once
-                queued, the message is served even if the caller is cancelled,
-                and the cancellation is re-raised after the reply arrived (the
-                reply is then dropped, the message applied). Without it, a
-                cancelled caller stops waiting; the message is still served.
-            on_reply: Called with the result on the caller's task as soon as it
-                is known, on either path, before a deferred cancellation is
-                re-raised: for recording what must not be lost (not called on
-                an error).
+            shield: Once the message is queued, wait for its reply even if the
+                caller is cancelled, then re-raise the cancellation.
+            on_reply: ``callable(result)``, called on the asking task once a
+                served message's result is known, before a cancellation
+                propagates; not called on an error. It must not raise.
 
         Returns:
             The handler's result.
 
         Raises:
-            AkvError: Whatever typed error the handler raised.
-            ActorCrashed: The actor (or another) crashed.
-            ManagerClosed: The actor is stopped or stopping.
+            AkvError: The handler's typed error.
+            ActorCrashed: This actor crashed (now or earlier).
+            ManagerClosed: The actor is closed (or the stop error given to :meth:`stop`).
         """
-        if self.direct and self._running and not self._closed and not self._inbox:
-            await self._checkpoint()
-            if self.direct and self._running and not self._closed and not self._inbox:  # still, after the yield
+        if self.can_serve_now:
+            await anyio.lowlevel.checkpoint()  # lets other tasks run; a cancellation here sent nothing
+            if self.can_serve_now:
                 self.messages_direct += 1
                 result = self._serve(msg)
                 if on_reply is not None:
                     on_reply(result)
                 return result  # no await between serving and returning
         else:
-            await anyio.lowlevel.checkpoint_if_cancelled()  # the wait for the reply yields anyway
+            await anyio.lowlevel.checkpoint_if_cancelled()  # the wait for the reply yields
         reply = await self._enqueue(msg)
-        if not shield:
-            result = await reply.wait()
-            if on_reply is not None:
-                on_reply(result)
-            return result
-        with anyio.CancelScope(shield=True):
-            result = await reply.wait()
-        if on_reply is not None:
-            on_reply(result)
-        await anyio.lowlevel.checkpoint_if_cancelled()
-        return result
+        try:
+            if shield:
+                with anyio.CancelScope(shield=True):
+                    await reply.event.wait()
+            else:
+                await reply.event.wait()
+        finally:  # also when the wait is cancelled
+            if not reply.event.is_set():
+                self._withdraw(reply)  # not served: never will be
+            elif reply.error is None and on_reply is not None:
+                on_reply(reply.value)
+        if reply.error is not None:
+            raise reply.error
+        if shield:
+            await anyio.lowlevel.checkpoint_if_cancelled()
+        return reply.value
 
-    async def _enqueue(self, msg: Any) -> Reply:
-        """Append ``msg`` to the inbox (waiting for room while it is full) and wake the actor's task.
-
-        Raises:
-            ActorCrashed, ManagerClosed: The actor is stopped or closed (nothing queued).
-        """
-        while True:
-            if self._closed:
-                raise self._stop_error or ManagerClosed(f"actor {self.name!r} is stopped")
-            if len(self._inbox) < self.inbox_capacity:
-                break
-            if self._not_full is None:
-                self._not_full = self._event_type()
-            await self._not_full.wait()
-        reply = Reply(self._event_type)
-        inbox = self._inbox
-        inbox.append((msg, reply))
-        if len(inbox) > self.max_inbox_depth:
-            self.max_inbox_depth = len(inbox)
-        if self._not_empty is not None:
-            self._not_empty.set()
+    async def _enqueue(self, msg: Any) -> _Reply:
+        """Append ``msg`` to the inbox (waiting for room) and wake the actor's task; raise the stop error if closed."""
+        while not self._closed and len(self._inbox) >= self.inbox_capacity:
+            if self._room is None:
+                self._room = anyio.Event()
+            await self._room.wait()
+        if self._closed:
+            raise self._stop_error.with_traceback(None)
+        reply = _Reply()
+        self._inbox.append((msg, reply))
+        self.max_inbox_depth = max(self.max_inbox_depth, len(self._inbox))
+        if self._wake is not None:
+            self._wake.set()
         return reply
 
+    def _withdraw(self, reply: _Reply) -> None:
+        """Remove the unserved message of ``reply`` from the inbox (its asker was cancelled). O(inbox depth)."""
+        for i, (_msg, queued) in enumerate(self._inbox):
+            if queued is reply:
+                del self._inbox[i]
+                self._wake_senders()
+                return
+
     def close(self) -> None:
-        """Orderly stop: accept no more messages, finish the queued ones, then exit."""
+        """Orderly stop: accept no new message, serve the queued ones, then let :meth:`run` return."""
         if self._stop_error is None:
             self._stop_error = ManagerClosed(f"actor {self.name!r} is closed")
-        self._closed = True
-        self._wake_all()
+        self._shut()
 
     def stop(self, error: BaseException) -> None:
-        """Abort: fail the running and queued asks with ``error`` and exit now."""
+        """Abort: fail every queued and later ask with ``error`` (the first one given) and end :meth:`run`."""
         if self._stop_error is None or isinstance(self._stop_error, ManagerClosed):
             self._stop_error = error
-        self._closed = True
-        if self._current is not None:
-            self._current.fail(error)
         self._fail_queued()
-        self._wake_all()
-        if self._scope is not None:
-            self._scope.cancel()
+        self._shut()
 
-    def _wake_all(self) -> None:
-        if self._not_empty is not None:
-            self._not_empty.set()
-        if self._not_full is not None:
-            self._not_full.set()
+    def _shut(self) -> None:
+        """Refuse new messages and wake the actor's task and every sender waiting for room."""
+        self._closed = True
+        self._wake_senders()
+        if self._wake is not None:
+            self._wake.set()
 
-    # ------------------------------------------------------------ serving
+    def _wake_senders(self) -> None:
+        if self._room is not None:
+            self._room.set()
+            self._room = None
+
+    def _fail_queued(self) -> None:
+        while self._inbox:
+            _msg, reply = self._inbox.popleft()
+            reply.settle(error=self._stop_error)
+
+    async def run(self) -> None:
+        """Serve queued messages until closed (after draining) or stopped; run it in the owner's task group."""
+        self._running = True
+        inbox = self._inbox
+        try:
+            while inbox or not self._closed:
+                if not inbox:
+                    self._wake = anyio.Event()
+                    await self._wake.wait()
+                    self._wake = None
+                    continue
+                msg, reply = inbox.popleft()
+                self._wake_senders()
+                try:
+                    reply.settle(self._serve(msg))
+                except AkvError as exc:  # the handler's typed error, or this actor's ActorCrashed
+                    reply.settle(error=exc)
+                except BaseException:  # an interrupt out of the handler: the actor is stopped
+                    reply.settle(error=self._stop_error)
+                    raise
+        finally:
+            if self._stop_error is None:  # ended without close or stop (e.g. cancelled)
+                self._stop_error = ManagerClosed(f"actor {self.name!r} is stopped")
+            self._running, self._closed = False, True
+            self._fail_queued()
+            self._wake_senders()
+
     def _serve(self, msg: Any) -> Any:
-        """Run the handler on one message, on whichever task calls it (the actor's or an asker's).
+        """Run the handler on ``msg``, on whichever task calls it (the actor's or an asker's).
 
         Raises:
             AkvError: The handler's typed error (the actor goes on).
-            ActorCrashed: The handler raised another ``Exception``; the actor
-                is stopped and ``on_crash`` has run (see :meth:`_crash`).
-            BaseException: Anything else (e.g. ``KeyboardInterrupt``) is
-                re-raised as is, after the same stop.
+            ActorCrashed: The handler raised another ``Exception`` (the actor is stopped, ``on_crash`` has run).
+            BaseException: Anything else (e.g. ``KeyboardInterrupt``), as is, after the same stop.
         """
         self.messages_handled += 1
         try:
@@ -292,64 +276,15 @@ class Actor:
         except AkvError:
             raise
         except BaseException as exc:
-            err = self._crash(exc)
+            err = ActorCrashed(self.name, exc)
+            err.__cause__ = exc
+            self.log.error("actor.crashed", error=repr(exc), exc_info=exc)
+            self.stop(err)
+            if self.on_crash is not None:
+                self.on_crash(self, err)
             if isinstance(exc, Exception):
                 raise err from exc
             raise
-
-    def _crash(self, exc: BaseException) -> ActorCrashed:
-        """Stop this actor with the :class:`ActorCrashed` of ``exc``, log it, call ``on_crash``; return the error."""
-        err = ActorCrashed(self.name, exc)
-        err.__cause__ = exc
-        self.log.error("actor.crashed", error=repr(exc), exc_info=exc)
-        self.stop(err)
-        if self.on_crash is not None:
-            self.on_crash(self, err)
-        return err
-
-    async def run(self) -> None:
-        """Serve queued messages until closed (after draining) or stopped. Run it in the manager's task group."""
-        inbox = self._inbox
-        self._event_type = type(anyio.Event())
-        self._checkpoint = checkpoint_function()
-        with anyio.CancelScope() as scope:
-            self._scope = scope
-            self._running = True
-            try:
-                while True:
-                    if not inbox:
-                        if self._closed:
-                            return
-                        self._not_empty = self._event_type()
-                        await self._not_empty.wait()
-                        self._not_empty = None
-                        continue
-                    msg, reply = inbox.popleft()
-                    if self._not_full is not None:
-                        self._not_full.set()
-                        self._not_full = None
-                    self._current = reply
-                    try:
-                        reply.set(self._serve(msg))
-                    except AkvError as exc:  # a crash has already failed the reply and emptied the inbox
-                        reply.fail(exc)
-                    finally:
-                        self._current = None
-            finally:
-                self._running = False
-                self._closed = True
-                if self._current is not None:
-                    self._current.fail(self._stop_error or ManagerClosed(f"actor {self.name!r} stopped"))
-                    self._current = None
-                self._fail_queued()
-                self._wake_all()
-
-    def _fail_queued(self) -> None:
-        error = self._stop_error or ManagerClosed(f"actor {self.name!r} stopped")
-        inbox = self._inbox
-        while inbox:
-            _msg, reply = inbox.popleft()
-            reply.fail(error)
 
     def handle(self, msg: Any) -> Any:  # pragma: no cover - abstract
         """Serve one message and return the reply value; synchronous (never awaits).
@@ -358,31 +293,3 @@ class Actor:
             AkvError: Bad input, with the actor's state unchanged.
         """
         raise NotImplementedError
-
-
-def checkpoint_function() -> Callable[[], Awaitable[None]]:
-    """The running event loop's ``anyio.lowlevel.checkpoint``, without its per-call backend lookup.
-
-    On asyncio (uvloop included) anyio's checkpoint is ``await asyncio.sleep(0)``
-    (``anyio._backends._asyncio.AsyncIOBackend.checkpoint``) after looking the
-    backend up, about 3 us of a direct ask's cost; this returns that sleep
-    itself. On any other loop (trio) it returns ``anyio.lowlevel.checkpoint``.
-    Call it from a task on the loop the checkpoints will run on.
-    """
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return anyio.lowlevel.checkpoint
-    return partial(asyncio.sleep, 0)
-
-
-def current_event_loop() -> str:
-    """``"asyncio"``, ``"uvloop"`` or ``"trio"``: the event loop the calling task runs on.
-
-    Needs no ``sniffio``, which anyio 4.16 no longer requires.
-    """
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        return "trio"
-    return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"

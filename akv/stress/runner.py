@@ -25,6 +25,7 @@ for the leak figures, and a short run on a fresh manager must pass.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from typing import Any
@@ -32,7 +33,6 @@ from typing import Any
 import anyio
 import structlog
 
-from akv.actors.runtime import current_event_loop
 from akv.config import MODEL_SHAPES, KVCacheConfig
 from akv.errors import ActorCrashed
 from akv.manager import KVCacheManager
@@ -64,8 +64,12 @@ def stress_config(options: StressOptions) -> KVCacheConfig:
 
 
 def current_backend() -> str:
-    """``asyncio``, ``uvloop`` or ``trio``: the event loop this coroutine runs on."""
-    return current_event_loop()
+    """``asyncio``, ``uvloop`` or ``trio``: the event loop this coroutine runs on (no ``sniffio`` needed)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return "trio"
+    return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
 
 
 async def _final_check(kv: KVCacheManager, out: Outcome, session: Session) -> None:
