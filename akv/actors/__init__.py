@@ -1,1 +1,4 @@
-"""asyncio actors on anyio: runtime, prefix tree, pool shards, eviction loop (stream worker lives in akv.storage)."""
+"""Actors on anyio: the runtime, pool shards (each owning its blocks' prefix tree), the eviction loop.
+
+The stream worker lives in :mod:`akv.storage`.
+"""
