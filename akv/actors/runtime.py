@@ -1,39 +1,34 @@
 """The actor runtime: a bounded inbox, ``ask``, one message at a time, on anyio's public API only.
 
-An :class:`Actor` owns its state exclusively. Its :meth:`~Actor.handle` is a
-plain ``def`` (``async def`` is refused when the class is defined): a message
-is served from start to end with no other task running in between, so the
-state needs no lock. What an actor guarantees:
+An :class:`Actor` owns its state exclusively. Its handler is a plain ``def``
+(``async def`` is refused when the class is defined): a message is served
+from start to end with no other task running, so the state needs no lock.
+What an actor guarantees:
 
 - **One message at a time, FIFO.** An ask is *sent* when it enters the inbox
   or, on the direct path, when it is served; messages are served in the order
   they were sent (so one task's asks in the order it made them).
-- **Direct hand-off.** While :attr:`~Actor.can_serve_now` (``direct`` set,
-  :meth:`~Actor.run` serving, not closed, inbox empty: no earlier message
-  waits), ``ask`` does one ``anyio.lowlevel.checkpoint`` (other tasks run) and,
-  if the actor still can, runs the handler on the asking task, in its context
-  (contextvars, spans), with no task switch. Otherwise the message is queued
-  (also before ``run`` starts) for the actor's task. :meth:`~Actor.serve` is
-  the hand-off without the checkpoint.
+- **Direct hand-off.** While :attr:`~Actor.can_serve_now` (no earlier message
+  waits), ``ask`` does one ``anyio.lowlevel.checkpoint`` (other tasks run),
+  then runs the handler on the asking task, in its context (contextvars,
+  spans), with no task switch. Otherwise the message is queued (also before
+  :meth:`~Actor.run` starts) for the actor's task.
 - **An ask never hangs.** It returns the result or raises the handler's
   :class:`~akv.errors.AkvError` (that ask alone fails: handlers validate
   first); :class:`~akv.errors.ActorCrashed` if the handler raised anything
   else (that ask, every queued and every later one; ``on_crash`` runs, and
   akv's manager stops the other actors with it); or the stop error:
-  :class:`~akv.errors.ManagerClosed` after ``close`` or once ``run`` ended
-  (e.g. cancelled), the given error after ``stop``.
+  :class:`~akv.errors.ManagerClosed` after :meth:`~Actor.close` (which serves
+  the queued messages first) or once ``run`` ended (e.g. cancelled), the
+  given error after :meth:`~Actor.stop` (which fails the queued ones at once).
 - **Cancellation.** Before the message is sent (the first checkpoint, a wait
   for room in a full inbox) nothing is sent. While an unshielded ask waits for
   a queued message: an unserved message is withdrawn from the inbox, never to
   be served; a served one's result goes to ``on_reply``; then the cancellation
   propagates. ``shield=True`` shields that wait: the message is served,
   ``on_reply`` gets its result, then the cancellation is re-raised. A direct
-  serve has no await after it. A cancelled ask was not applied, or was applied
-  and ``on_reply`` saw its result.
-- **Close and stop.** After :meth:`~Actor.close`, new asks and senders waiting
-  for room raise ``ManagerClosed`` (nothing queued) and the queued messages
-  are served before ``run`` returns. :meth:`~Actor.stop` fails the queued asks
-  with its error at once and ends ``run``.
+  serve has no await after it. So a cancelled ask was not applied, or was
+  applied and ``on_reply`` saw its result.
 
 Ask graphs must stay acyclic (two actors asking each other deadlock); akv's
 is drawn in docs/architecture.md. Modelled on Pykka; runs on asyncio, uvloop
@@ -119,8 +114,7 @@ class Actor:
     def serve(self, msg: Any) -> Any:
         """Serve ``msg`` now on the calling task, without a checkpoint; the actor must :attr:`can_serve_now`.
 
-        Synchronous: serving several idle actors in a row applies every message
-        (or stops at the first that raises) with no other task running between.
+        Synchronous: serving several idle actors in a row runs no other task in between.
 
         Returns:
             The handler's result.
@@ -212,7 +206,11 @@ class Actor:
         self._shut()
 
     def stop(self, error: BaseException) -> None:
-        """Abort: fail every queued and later ask with ``error`` (the first one given) and end :meth:`run`."""
+        """Abort: fail every queued and later ask with ``error`` at once and end :meth:`run`.
+
+        Args:
+            error: The stop error; the first one given is kept (it replaces a :meth:`close`'s ``ManagerClosed``).
+        """
         if self._stop_error is None or isinstance(self._stop_error, ManagerClosed):
             self._stop_error = error
         self._fail_queued()
