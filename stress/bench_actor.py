@@ -54,11 +54,12 @@ def load_base_runtime(commit: str) -> Any:
     src = subprocess.run(
         ["git", "-C", str(ROOT), "show", f"{commit}:akv/actors/runtime.py"], capture_output=True, text=True, check=True
     ).stdout
-    path = Path(tempfile.mkdtemp(prefix="akv-base-runtime-")) / "akv_base_runtime.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("akv_base_runtime", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    with tempfile.TemporaryDirectory(prefix="akv-base-runtime-") as tmp:
+        path = Path(tmp) / "akv_base_runtime.py"
+        path.write_text(src)
+        spec = importlib.util.spec_from_file_location("akv_base_runtime", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
     return module
 
 
