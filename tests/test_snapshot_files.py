@@ -351,3 +351,27 @@ def test_a_file_where_the_directory_should_be_is_an_io_error(tmp_path: Path) -> 
 def test_snapshot_error_refuses_an_unknown_cause() -> None:
     with pytest.raises(ValueError, match="unknown snapshot error cause"):
         SnapshotError("bad", "p", "r")
+
+
+class Stop(Exception):
+    """Raised by a progress callback to fail a save at one point."""
+
+
+def _raise_at(point: str):
+    def on_progress(reached: str) -> None:
+        if reached == point:
+            raise Stop(point)
+
+    return on_progress
+
+
+@pytest.mark.parametrize("point", ["fsynced gen-000002", "fsynced CURRENT.tmp", "renamed CURRENT", "fsynced directory"])
+def test_a_save_failing_after_the_rename_keeps_the_new_generation(tmp_path: Path, point: str) -> None:
+    directory = tmp_path / "s"
+    _, old, _ = _save(directory, _config(), 6, seed=1)
+    with pytest.raises(Stop):
+        _save(directory, _config(), 7, seed=2, on_progress=_raise_at(point))
+    switched = point in ("renamed CURRENT", "fsynced directory")
+    want = demo_blocks(7, block_size=4, vocab_size=VOCAB, seed=2) if switched else old
+    assert_same_blocks(load_snapshot(directory).blocks, want)  # CURRENT never names a deleted generation
+    assert sorted(os.listdir(directory)) == ["CURRENT", "gen-000001", *(["gen-000002"] if switched else [])]

@@ -115,19 +115,23 @@ def save_snapshot(
     previous = _current_generation(path)
     generation = 1 + max([previous or 0, *_generations(path).values()])
     gen_dir = path / generation_name(generation)
+    io_call(gen_dir, "create", gen_dir.mkdir)  # outside the try: never delete a directory this save did not make
     try:
-        io_call(gen_dir, "create", gen_dir.mkdir)
         on_progress(f"mkdir {gen_dir.name}")
         files = _write_files(gen_dir, config, blocks, read_blocks, batch_bytes, on_progress)
         manifest = _manifest(generation, config, blocks, files)
         write_durable(gen_dir / MANIFEST_NAME, manifest, f"{gen_dir.name}/{MANIFEST_NAME}", on_progress)
         fsync_dir(gen_dir)
         on_progress(f"fsynced {gen_dir.name}")
-        _switch_current(path, current_line(generation, manifest), on_progress)
-    except BaseException:
+        _replace_current(path, current_line(generation, manifest), on_progress)
+    except BaseException:  # CURRENT still names the old generation
         shutil.rmtree(gen_dir, ignore_errors=True)
         (path / f"{CURRENT_NAME}.tmp").unlink(missing_ok=True)
         raise
+    # From here CURRENT names the new generation: an error must not delete it.
+    on_progress(f"renamed {CURRENT_NAME}")
+    fsync_dir(path)
+    on_progress("fsynced directory")
     if previous is not None:  # an unreadable CURRENT: keep every generation, one may be worth recovering
         _delete_old(path, keep={generation, previous}, on_progress=on_progress)
     log.info(
@@ -247,15 +251,16 @@ def _manifest(generation: int, config: KVCacheConfig, blocks: SnapshotBlocks, fi
     )
 
 
-def _switch_current(path: Path, line: bytes, on_progress: Progress) -> None:
-    """Atomically replace ``CURRENT`` with ``line``: temp file, fsync, rename, fsync the directory."""
+def _replace_current(path: Path, line: bytes, on_progress: Progress) -> None:
+    """Atomically replace ``CURRENT`` with ``line``: write and fsync a temp file, rename it over ``CURRENT``.
+
+    The caller fsyncs the directory. If this raises, ``CURRENT`` is unchanged
+    (``os.replace`` either happens whole or not at all).
+    """
     tmp = path / f"{CURRENT_NAME}.tmp"
     tmp.unlink(missing_ok=True)  # left by a save that crashed before its rename
     write_durable(tmp, line, tmp.name, on_progress)
     io_call(path, "rename CURRENT.tmp over CURRENT in", os.replace, tmp, path / CURRENT_NAME)
-    on_progress(f"renamed {CURRENT_NAME}")
-    fsync_dir(path)
-    on_progress("fsynced directory")
 
 
 def _delete_old(path: Path, keep: set, on_progress: Progress) -> None:
