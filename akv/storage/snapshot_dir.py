@@ -15,7 +15,9 @@ the previous one deleted. Before the rename ``CURRENT`` names the old
 generation, which nothing touched; after it, the new one, complete and durable
 before the rename was issued. Readers read only what ``CURRENT`` names.
 
-One writer at a time per directory; readers may run beside it.
+One writer at a time per directory (nothing enforces it yet). A reader may run
+beside a save; one slower than two saves may find its generation deleted
+(cause ``"missing"``).
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ def save_snapshot(
     if previous is not None:  # an unreadable CURRENT: keep every generation, one may be worth recovering
         _delete_old(path, keep={generation, previous}, on_progress=on_progress)
     log.info(
-        "snapshot_saved",
+        "snapshot.saved",
         directory=str(path),
         generation=generation,
         num_blocks=blocks.num_blocks,
@@ -271,6 +273,6 @@ def _delete_old(path: Path, keep: set, on_progress: Progress) -> None:
         try:
             shutil.rmtree(path / name)
         except OSError as exc:  # the new generation is current; an old one left behind is only disk space
-            log.warning("snapshot_old_generation_kept", directory=str(path), generation=name, error=str(exc))
+            log.warning("snapshot.old_generation_kept", directory=str(path), generation=name, error=str(exc))
             continue
         on_progress(f"deleted {name}")
