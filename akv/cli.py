@@ -48,10 +48,17 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     from akv.cli_replay import register as register_replay
+    from akv.cli_snapshot import register as register_snapshot
     from akv.generate import register as register_generate
     from akv.stress import register as register_stress
 
-    commands = [register_replay(sub), _add_inspect_parser(sub), register_stress(sub), register_generate(sub)]
+    commands = [
+        register_replay(sub),
+        _add_inspect_parser(sub),
+        register_stress(sub),
+        register_generate(sub),
+        register_snapshot(sub),
+    ]
     for command in commands:  # also after the command name; SUPPRESS keeps the global value
         if "--debug" not in command._option_string_actions:
             command.add_argument("--debug", **debug, default=argparse.SUPPRESS)
@@ -133,6 +140,10 @@ def _run_command(args: argparse.Namespace) -> int:
         from akv.stress import main_stress
 
         return main_stress(args)
+    if args.command == "snapshot":
+        from akv.cli_snapshot import main_snapshot
+
+        return main_snapshot(args)
     from akv.generate import main_generate
 
     return main_generate(args)

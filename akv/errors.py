@@ -133,3 +133,35 @@ class TraceError(AkvError, ValueError):
         self.path = path
         self.line = line
         self.reason = reason
+
+
+class SnapshotError(AkvError):
+    """A snapshot cannot be written, or is refused whole when read back.
+
+    Nothing is loaded from a refused snapshot, and a failed save leaves the
+    snapshot directory's current generation as it was (see docs/persistence.md).
+
+    Attributes:
+        cause: One of :data:`SNAPSHOT_CAUSES`: ``"corrupt"`` (a checksum,
+            header or structure check failed), ``"truncated"`` (a file is
+            shorter than the manifest says), ``"missing"`` (no ``CURRENT``, or
+            a generation or file it names is absent), ``"foreign"`` (written
+            under another configuration fingerprint), ``"format"`` (not an akv
+            snapshot, or a format version this akv does not read), ``"io"``
+            (the operating system refused a read or write: permissions, a full
+            disk, a file where a directory should be).
+        path: The file or directory at fault.
+        reason: What is wrong, in words.
+    """
+
+    def __init__(self, cause: str, path: object, reason: str) -> None:
+        if cause not in SNAPSHOT_CAUSES:
+            raise ValueError(f"unknown snapshot error cause {cause!r}; known: {', '.join(SNAPSHOT_CAUSES)}")
+        super().__init__(f"snapshot {cause}: {path}: {reason}")
+        self.cause = cause
+        self.path = path
+        self.reason = reason
+
+
+#: The values of :attr:`SnapshotError.cause`.
+SNAPSHOT_CAUSES = ("corrupt", "truncated", "missing", "foreign", "format", "io")
