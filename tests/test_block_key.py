@@ -226,3 +226,14 @@ async def test_matching_compares_tokens_so_equal_keys_never_serve_another_prefix
     forced = await _matching_scenario()
     assert forced[:4] == expected
     assert forced[4] == [b"\x00" * KEY_BYTES] * 3
+
+
+@given(
+    st.lists(st.integers(0, 2**31 - 1), min_size=8, max_size=8),
+    st.one_of(st.none(), st.text(max_size=4), st.integers()),
+    st.booleans(),
+)
+def test_block_key_raw_equals_block_key(tokens, namespace, with_parent) -> None:
+    parent = block_key(None, [1] * 8, namespace) if with_parent else None
+    raw = np.asarray(tokens, dtype="<i4").tobytes()
+    assert bk.block_key_raw(parent, raw, bk.chain_suffix(namespace)) == block_key(parent, tokens, namespace)

@@ -200,6 +200,24 @@ def chain_keys(
     return chain_keys_raw(raw, block_size, chain_suffix(namespace, extra_keys))
 
 
+def block_key_raw(parent_key: bytes | None, raw: bytes, suffix: bytes) -> bytes:
+    """:func:`block_key` of already validated int32 little-endian token bytes.
+
+    For callers inside akv that hold validated tokens (the prefix tree, a
+    snapshot record whose tokens were range-checked): no validation, one hash call.
+
+    Args:
+        parent_key: The parent's :data:`KEY_BYTES`-byte key, or ``None`` for a first block.
+        raw: The block's token ids as little-endian int32 bytes (``4 * block_size`` bytes).
+        suffix: :func:`chain_suffix` of the namespace and extra keys.
+
+    Returns:
+        :data:`KEY_BYTES` (16) bytes, equal to ``block_key(parent_key, tokens, namespace, extra_keys)``.
+    """
+    parent = _ROOT if parent_key is None else _PARENT + parent_key
+    return _digest(_PREFIX + parent + _TOKENS + _U64.pack(len(raw) // 4) + raw + suffix)
+
+
 def chain_keys_raw(raw: bytes, block_size: int, suffix: bytes) -> list[bytes]:
     """:func:`chain_keys` of already validated int32 little-endian token bytes.
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from akv.core.block_key import KEY_BYTES, block_key
+from akv.core.block_key import KEY_BYTES, block_key_raw, chain_suffix
 from akv.core.eviction_policy import DEFAULT_EVICTION_POLICY, EVICTION_POLICIES, KeyFunction
 from akv.core.ids import MAX_ID_DEPTH, plain_id
 from akv.errors import InvalidInput
@@ -153,10 +153,14 @@ class SnapshotBlocks:
         """
         keys: list[bytes] = []
         parents = self.parent.tolist()
-        spaces = [self.namespaces[row] for row in self.namespace.tolist()]
+        suffixes = [chain_suffix(ns) for ns in self.namespaces]
+        spaces = [suffixes[i] for i in self.namespace.tolist()]
+        raw = np.ascontiguousarray(self.tokens, dtype="<i4").tobytes()
+        width = 4 * self.tokens.shape[1] if self.tokens.ndim == 2 else 0
         for row in range(self.num_blocks):
             parent = parents[row]
-            keys.append(block_key(None if parent < 0 else keys[parent], self.tokens[row], spaces[row]))
+            block = raw[row * width : (row + 1) * width]
+            keys.append(block_key_raw(None if parent < 0 else keys[parent], block, spaces[row]))
         return np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(self.num_blocks, KEY_BYTES)
 
     def take(self, rows: np.ndarray) -> SnapshotBlocks:
