@@ -211,3 +211,25 @@ def test_bad_router_arguments_are_refused() -> None:
             call()
     router.remove_instance(("host", 1))
     assert router.instances == ()
+
+
+@pytest.mark.parametrize("max_pending", [0, 2])
+def test_a_stale_index_keeps_at_most_max_pending_batches_and_refuses_a_snapshot_older_than_what_it_forgot(
+    max_pending: int,
+) -> None:
+    router = CacheAwareRouter(["x"], block_size=BS, max_pending=max_pending)
+    keys = chain_keys(A, BS)
+    router.apply("x", batch(1, stored(A, blocks=1)))
+    assert not router.apply("x", batch(2, EventsDropped(from_seq=2, to_seq=2)))
+    router.apply("x", batch(3, stored(B, blocks=2)))
+    router.apply("x", batch(4, BlockRemoved(block_hashes=[keys[1]], medium="device")))
+    forgot = 4 if max_pending == 0 else 2  # the newest batch it could not keep
+    with pytest.raises(EventsGap) as info:
+        router.resync("x", [], forgot - 1)
+    assert info.value.to_seq == forgot
+    snapshot = [CachedKey(block_hash=keys[0], parent_block_hash=None, namespace=None, medium="device")]
+    router.resync("x", snapshot, forgot)
+    assert router.index("x").applied_seq == 4
+    assert router.longest_prefix("x", probe(A)) == 4  # stored by 3, its second block removed by 4
+    holders = router.index("x").entries()[("device", keys[0])][0]
+    assert holders == (1 if max_pending == 0 else 2)  # the snapshot's, and batch 3's when it was kept

@@ -50,10 +50,13 @@ DEFAULT_BUFFER = 256
 class _Subscriber:
     """The hub's side of one subscription: its stream and its pending gap (no reference to the Subscription)."""
 
-    __slots__ = ("closed", "gap_from", "gap_to", "gap_ts", "number", "receive", "send")
+    __slots__ = ("closed", "gap_from", "gap_to", "gap_ts", "log", "number", "receive", "send")
 
-    def __init__(self, number: int, send: MemoryObjectSendStream, receive: MemoryObjectReceiveStream) -> None:
+    def __init__(
+        self, number: int, send: MemoryObjectSendStream, receive: MemoryObjectReceiveStream, logger: Any
+    ) -> None:
         self.number = number
+        self.log = logger.bind(subscriber=number)
         self.send = send
         self.receive = receive
         self.gap_from = 0  # 0: no gap; else the first missed seq
@@ -66,10 +69,15 @@ class _Subscriber:
         marker = EventsDropped(from_seq=self.gap_from, to_seq=self.gap_to)
         return EventBatch(seq=marker.to_seq, ts=self.gap_ts, events=(marker,))
 
+    def clear_gap(self) -> None:
+        """The marker was handed over: log the gap once, with its range, and clear it."""
+        self.log.warning("events_dropped", from_seq=self.gap_from, to_seq=self.gap_to)
+        self.gap_from = self.gap_to = 0
+
     def take_marker(self) -> EventBatch:
         """The pending gap as a marker batch, cleared."""
         batch = self.marker()
-        self.gap_from = self.gap_to = 0
+        self.clear_gap()
         return batch
 
 
@@ -91,13 +99,12 @@ class Subscription:
     Not for concurrent readers (one task iterates it).
     """
 
-    __slots__ = ("__weakref__", "_finalizer", "_replay", "_state", "_sub_log")
+    __slots__ = ("__weakref__", "_finalizer", "_replay", "_state")
 
-    def __init__(self, state: _Subscriber, replay: Iterable[EventBatch], subscribers: dict, logger: Any) -> None:
+    def __init__(self, state: _Subscriber, replay: Iterable[EventBatch], subscribers: dict) -> None:
         self._state = state
         self._replay = deque(replay)
         self._finalizer = weakref.finalize(self, _release, subscribers, state)
-        self._sub_log = logger
 
     @property
     def number(self) -> int:
@@ -238,12 +245,12 @@ class EventHub:
         try:
             if state.gap_from:
                 state.send.send_nowait(state.marker())  # WouldBlock leaves the gap pending
-                state.gap_from = state.gap_to = 0
+                state.clear_gap()
             state.send.send_nowait(batch)
         except anyio.WouldBlock:
             if not state.gap_from:
                 state.gap_from = batch.seq
-                self._hub_log.warning("events_gap_opened", subscriber=state.number, from_seq=batch.seq)
+                state.log.debug("events_gap_opened", from_seq=batch.seq)
             state.gap_to, state.gap_ts = batch.seq, batch.ts
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):  # its reader is gone
             _release(self._subscribers, state)
@@ -270,14 +277,14 @@ class EventHub:
             raise InvalidInput(f"buffer of subscribe() must be an int >= 1 (batches), got {describe(buffer)}")
         replay = [] if since is None else self._log.batches_since(since)
         send, receive = anyio.create_memory_object_stream[EventBatch](buffer)
-        state = _Subscriber(next(self._numbers), send, receive)
+        state = _Subscriber(next(self._numbers), send, receive, self._hub_log)
         if self._closed:
             state.closed = True
             send.close()
         else:
             self._subscribers[state.number] = state
         self._hub_log.debug("events_subscribed", subscriber=state.number, since=since, buffer=buffer)
-        return Subscription(state, replay, self._subscribers, self._hub_log.bind(subscriber=state.number))
+        return Subscription(state, replay, self._subscribers)
 
     def close(self) -> None:
         """End every subscription after the batches (and gap markers) it holds; later publishes raise."""

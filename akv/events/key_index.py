@@ -21,15 +21,16 @@ from typing import Any
 
 import numpy as np
 
-from akv.core.block_key import KEY_BYTES, block_key
+from akv.core.block_key import KEY_BYTES, chain_keys_raw, chain_suffix
 from akv.core.ids import describe, plain_id
 from akv.errors import InvalidInput
 
-from .types import BlockRemoved, BlockStored, CachedKey
+from .types import BlockRemoved, BlockStored, CachedKey, check_medium, stored_unchecked
 
 __all__ = ["KeyIndex"]
 
 _TOKEN_LIMIT = 2**31
+_NO_KEY = bytes(KEY_BYTES)  # the parent-key slot of a prompt's first block
 
 
 class KeyIndex:
@@ -139,6 +140,10 @@ class KeyIndex:
                 listed twice; a parent is not stored nor earlier in the call;
                 the lengths differ; bad rows or namespaces.
         """
+        return self._store(block_ids, parent_block_ids, token_rows, namespaces)[0]
+
+    def _store(self, block_ids: Any, parent_block_ids: Any, token_rows: Any, namespaces: Any) -> tuple[list, list]:
+        """:meth:`stored`, also returning the chain runs ``(start, end, parent key)`` the keys were hashed in."""
         ids, offsets = self._offsets(block_ids, "KeyIndex.stored")
         n = len(offsets)
         parents, namespaces = list(parent_block_ids), list(namespaces)
@@ -148,37 +153,75 @@ class KeyIndex:
             )
         rows = self._check_rows(token_rows, n)
         namespaces = [plain_id(ns, "a namespace of KeyIndex.stored", allow_none=True) for ns in namespaces]
-        already = [b for b, o in zip(ids, offsets) if self._stored[o]]
-        if already:
+        if n and self._stored[offsets].any():
+            already = [b for b, o in zip(ids, offsets) if self._stored[o]]
             raise InvalidInput(f"KeyIndex.stored: blocks {already[:8]} are already stored")
-        new_keys: dict[int, bytes] = {}  # offset -> key, of this call
+        starts = [i for i in range(n) if not i or parents[i] != ids[i - 1] or namespaces[i] != namespaces[i - 1]]
+        stored_parents, earlier_parents = self._run_parents(starts, parents, offsets)
+        raw, width, bs = rows.astype("<i4", copy=False).tobytes(), 4 * self.block_size, self.block_size
+        suffixes: dict[Hashable, bytes] = {}
         keys: list[bytes] = []
         parent_keys: list[bytes | None] = []
-        for i, offset in enumerate(offsets):
-            parent_key = None if parents[i] is None else self._parent_key(parents[i], new_keys)
-            key = block_key(parent_key, rows[i], namespaces[i])
-            new_keys[offset] = key
-            keys.append(key)
+        runs: list[tuple[int, int, bytes | None]] = []
+        for r, begin in enumerate(starts):  # a run: each block the parent of the next, one namespace: one hash pass
+            stop = starts[r + 1] if r + 1 < len(starts) else n
+            namespace = namespaces[begin]
+            if namespace not in suffixes:
+                suffixes[namespace] = chain_suffix(namespace)
+            parent_key = stored_parents.get(r) or (keys[earlier_parents[r]] if r in earlier_parents else None)
+            run = chain_keys_raw(raw[begin * width : stop * width], bs, suffixes[namespace], parent_key)
+            keys += run
             parent_keys.append(parent_key)
-        for offset, key, parent_key, namespace in zip(offsets, keys, parent_keys, namespaces):
-            self._keys[offset] = np.frombuffer(key, dtype=np.uint8)
-            self._has_parent[offset] = parent_key is not None
-            if parent_key is not None:
-                self._parent_keys[offset] = np.frombuffer(parent_key, dtype=np.uint8)
-            self._namespaces[offset] = namespace
-        self._stored[offsets] = True
-        return keys
+            parent_keys += run[:-1]
+            runs.append((begin, stop, parent_key))
+        self._commit(offsets, keys, parent_keys, namespaces)
+        return keys, runs
 
-    def _parent_key(self, parent: Any, new_keys: dict[int, bytes]) -> bytes:
-        """The key of a parent block: stored before, or earlier in this call."""
-        offset = parent - self.first_block_id if type(parent) is int else -1
-        if offset in new_keys:
-            return new_keys[offset]
-        if 0 <= offset < len(self._stored) and self._stored[offset]:
-            return self._keys[offset].tobytes()
-        raise InvalidInput(
-            f"KeyIndex.stored: parent block {describe(parent)} is neither stored nor earlier in the call"
-        )
+    def _run_parents(self, starts: list[int], parents: list, offsets: list[int]) -> tuple[dict, dict]:
+        """The parents of the runs that have one: ``({run: parent key}, {run: parent's index in the call})``.
+
+        The first for parents stored before (one gather: a decode step's blocks
+        each start a run), the second for parents listed earlier in the call.
+
+        Raises:
+            InvalidInput: A parent is neither stored nor earlier in the call.
+        """
+        position = {o: i for i, o in enumerate(offsets)}
+        first, size = self.first_block_id, len(self._stored)
+        earlier: dict[int, int] = {}
+        runs, stored_offsets = [], []
+        for r, begin in enumerate(starts):
+            parent = parents[begin]
+            if parent is None:
+                continue
+            ok = isinstance(parent, (int, np.integer)) and type(parent) is not bool
+            offset = int(parent) - first if ok else -1
+            i = position.get(offset)
+            if i is not None and i < begin:
+                earlier[r] = i
+            elif i is None and 0 <= offset < size:
+                runs.append(r)
+                stored_offsets.append(offset)
+            else:
+                raise InvalidInput(f"KeyIndex.stored: parent block {describe(parent)} is neither stored nor earlier")
+        if stored_offsets and not self._stored[stored_offsets].all():
+            bad = [o + first for o in stored_offsets if not self._stored[o]]
+            raise InvalidInput(f"KeyIndex.stored: parent blocks {bad[:8]} are neither stored nor earlier")
+        gathered = self._keys[stored_offsets].tobytes() if stored_offsets else b""
+        return {r: gathered[KEY_BYTES * j : KEY_BYTES * (j + 1)] for j, r in enumerate(runs)}, earlier
+
+    def _commit(self, offsets: list[int], keys: list[bytes], parent_keys: list, namespaces: list) -> None:
+        """Write the new blocks' keys, parent keys and namespaces (vectorized but for the namespaces)."""
+        n = len(offsets)
+        self._keys[offsets] = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(n, KEY_BYTES)
+        self._parent_keys[offsets] = np.frombuffer(
+            b"".join(_NO_KEY if p is None else p for p in parent_keys), dtype=np.uint8
+        ).reshape(n, KEY_BYTES)
+        self._has_parent[offsets] = [p is not None for p in parent_keys]
+        spaces = self._namespaces
+        for offset, namespace in zip(offsets, namespaces):
+            spaces[offset] = namespace
+        self._stored[offsets] = True
 
     def removed(self, block_ids: Sequence[int]) -> list[bytes]:
         """Forget blocks that left the prefix cache; return their keys.
@@ -247,29 +290,17 @@ class KeyIndex:
         Raises:
             InvalidInput: As :meth:`stored` (nothing is indexed).
         """
-        keys = self.stored(block_ids, parent_block_ids, token_rows, namespaces)
-        ids, parents, spaces = list(block_ids), list(parent_block_ids), list(namespaces)
-        events: list[BlockStored] = []
-        start = 0
-        for i in range(1, len(keys) + 1):
-            if i < len(keys) and parents[i] == ids[i - 1] and spaces[i] == spaces[i - 1]:
-                continue
-            parent = None if parents[start] is None else self._parent_key_of(ids[start])
-            events.append(
-                BlockStored(
-                    block_hashes=keys[start:i],
-                    parent_block_hash=parent,
-                    token_ids=np.asarray(token_rows[start:i]).reshape(-1).tolist(),
-                    block_size=self.block_size,
-                    medium=medium,
-                    namespace=self._namespaces[ids[start] - self.first_block_id],
-                )
+        check_medium(medium)
+        keys, runs = self._store(block_ids, parent_block_ids, token_rows, namespaces)
+        first, bs, spaces = self.first_block_id, self.block_size, self._namespaces
+        ids = [int(b) for b in block_ids]
+        tokens = np.asarray(token_rows).reshape(-1).tolist()
+        return [
+            stored_unchecked(
+                keys[start:end], parent, tokens[start * bs : end * bs], bs, medium, spaces[ids[start] - first]
             )
-            start = i
-        return events
-
-    def _parent_key_of(self, block_id: int) -> bytes:
-        return self._parent_keys[block_id - self.first_block_id].tobytes()
+            for start, end, parent in runs
+        ]
 
     def removed_events(self, block_ids: Sequence[int], *, medium: str = "device") -> list[BlockRemoved]:
         """:meth:`removed`, and one :class:`BlockRemoved` naming the keys (none for no blocks).
