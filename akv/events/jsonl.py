@@ -33,7 +33,14 @@ _MAX_DEPTH = 16  # as akv.core.ids.MAX_ID_DEPTH
 
 
 def encode_namespace(value: Hashable) -> Any:
-    """The tagged JSON value of a plain value (see the module docstring)."""
+    """The tagged JSON value of a plain value (see the module docstring).
+
+    Args:
+        value: ``None`` or a plain value already normalized (:func:`akv.core.ids.plain_id`).
+
+    Returns:
+        ``None`` or a one-key dict (``str``, ``int``, ``bytes`` or ``tuple``).
+    """
     if value is None:
         return None
     kind = type(value)
@@ -48,6 +55,13 @@ def encode_namespace(value: Hashable) -> Any:
 
 def decode_namespace(value: Any, depth: int = 0) -> Hashable:
     """The plain value of a tagged JSON value; inverse of :func:`encode_namespace`.
+
+    Args:
+        value: A decoded JSON value.
+        depth: Tuples enclosing ``value`` (deeper than 16 is refused, as in :mod:`akv.core.ids`).
+
+    Returns:
+        ``None``, a ``str``, ``int``, ``bytes`` or tuple of these.
 
     Raises:
         InvalidInput: Not a tagged plain value.
