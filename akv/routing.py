@@ -127,7 +127,7 @@ class CacheAwareRouter:
         was_stale = index.stale
         current = index.apply(batch)
         if not current and not was_stale:
-            self._route_log.info("router_index_stale", instance=instance, seq=batch.seq, applied_seq=index.applied_seq)
+            self._route_log.info("router.index_stale", instance=instance, seq=batch.seq, applied_seq=index.applied_seq)
         return current
 
     def apply_jsonl(self, instance: Hashable, path: str | Path) -> bool:
@@ -155,7 +155,7 @@ class CacheAwareRouter:
         """
         index = self.index(instance)
         index.resync(cached_keys, as_of_seq)
-        self._route_log.info("router_index_resynced", instance=instance, as_of_seq=as_of_seq, seq=index.applied_seq)
+        self._route_log.info("router.index_resynced", instance=instance, as_of_seq=as_of_seq, seq=index.applied_seq)
 
     def _prompt_keys(self, prompt: Any, namespace: Hashable) -> list[bytes]:
         """Chain keys of the blocks of ``prompt`` a lookup can hit (never the one with the last token)."""

@@ -71,7 +71,7 @@ class _Subscriber:
 
     def clear_gap(self) -> None:
         """The marker was handed over: log the gap once, with its range, and clear it."""
-        self.log.warning("events_dropped", from_seq=self.gap_from, to_seq=self.gap_to)
+        self.log.warning("events.dropped", from_seq=self.gap_from, to_seq=self.gap_to)
         self.gap_from = self.gap_to = 0
 
     def take_marker(self) -> EventBatch:
@@ -250,7 +250,7 @@ class EventHub:
         except anyio.WouldBlock:
             if not state.gap_from:
                 state.gap_from = batch.seq
-                state.log.debug("events_gap_opened", from_seq=batch.seq)
+                state.log.debug("events.gap_opened", from_seq=batch.seq)
             state.gap_to, state.gap_ts = batch.seq, batch.ts
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):  # its reader is gone
             _release(self._subscribers, state)
@@ -283,7 +283,7 @@ class EventHub:
             send.close()
         else:
             self._subscribers[state.number] = state
-        self._hub_log.debug("events_subscribed", subscriber=state.number, since=since, buffer=buffer)
+        self._hub_log.debug("events.subscribed", subscriber=state.number, since=since, buffer=buffer)
         return Subscription(state, replay, self._subscribers)
 
     def close(self) -> None:
