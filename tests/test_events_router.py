@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import anyio
 import numpy as np
 import pytest
 
@@ -15,6 +16,7 @@ from akv.events import (
     BlockStored,
     CachedKey,
     EventBatch,
+    EventHub,
     EventLog,
     EventsDropped,
     KeyIndex,
@@ -233,3 +235,46 @@ def test_a_stale_index_keeps_at_most_max_pending_batches_and_refuses_a_snapshot_
     assert router.longest_prefix("x", probe(A)) == 4  # stored by 3, its second block removed by 4
     holders = router.index("x").entries()[("device", keys[0])][0]
     assert holders == (1 if max_pending == 0 else 2)  # the snapshot's, and batch 3's when it was kept
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.mark.anyio
+async def test_a_router_task_fed_by_a_subscription_follows_the_cache() -> None:
+    """In process: one task applies a subscription's batches while steps publish; a gap is resynced."""
+    hub, index = EventHub(), KeyIndex(32, BS)
+    router = CacheAwareRouter(["x"], block_size=BS)
+    rows = np.array(A + B[8:], dtype=np.int32).reshape(-1, BS)
+    resynced_at: list[int] = []
+
+    async def follow() -> None:
+        async with hub.subscribe(buffer=1) as sub:
+            async for got in sub:
+                if not router.apply("x", got):  # a gap: a snapshot as of now, then what comes after it
+                    router.resync("x", index.cached_keys(), hub.log.last_seq)
+                    resynced_at.append(got.seq)
+
+    with anyio.fail_after(10):  # hang guard
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(follow)
+            await anyio.wait_all_tasks_blocked()
+            hub.publish(index.stored_events([0, 1], [None, 0], rows[:2], [None, None]))
+            await anyio.wait_all_tasks_blocked()
+            assert router.longest_prefix("x", probe(A)) == 8
+            for block in (
+                2,
+                3,
+            ):  # three batches while the follower does not run: one to its waiting receive, one buffered, a gap
+                hub.publish(index.stored_events([block], [block - 1], rows[block : block + 1], [None]))
+            hub.publish(index.stored_events([4, 5], [1, 4], rows[4:6], [None, None]))
+            await anyio.wait_all_tasks_blocked()
+            assert router.longest_prefix("x", probe(A)) == 16 and router.longest_prefix("x", probe(B)) == 16
+            hub.publish(index.removed_events([5, 3]))
+            await anyio.wait_all_tasks_blocked()
+            assert (router.longest_prefix("x", probe(A)), router.longest_prefix("x", probe(B))) == (12, 12)
+            hub.close()
+    assert resynced_at == [4]  # the marker for batch 4
+    assert router.index("x").applied_seq == hub.log.last_seq == 5 and not router.index("x").stale
