@@ -118,6 +118,12 @@ def test_bad_removed_calls_are_refused_and_forget_nothing() -> None:
         with pytest.raises(InvalidInput):
             index.removed(bad)
         assert state(index) == before
+    for medium in ("", None):
+        with pytest.raises(InvalidInput):
+            index.removed_events([1], medium=medium)
+        with pytest.raises(InvalidInput):
+            index.stored_events([2], [1], rows([5] * 4), [None], medium=medium)
+        assert state(index) == before
     with pytest.raises(InvalidInput):
         index.key(2)
     assert index.removed(np.array([1, 0])) == [index_key for index_key, *_ in reversed(before)]

@@ -238,10 +238,11 @@ class KeyIndex:
             InvalidInput: A block is not stored, not of this shard, or listed twice.
         """
         ids, offsets = self._offsets(block_ids, "KeyIndex.removed")
-        missing = [b for b, o in zip(ids, offsets) if not self._stored[o]]
-        if missing:
+        if offsets and not self._stored[offsets].all():
+            missing = [b for b, o in zip(ids, offsets) if not self._stored[o]]
             raise InvalidInput(f"KeyIndex.removed: blocks {missing[:8]} are not stored")
-        keys = [self._keys[o].tobytes() for o in offsets]
+        gathered = self._keys[offsets].tobytes()
+        keys = [gathered[KEY_BYTES * j : KEY_BYTES * (j + 1)] for j in range(len(offsets))]
         self._stored[offsets] = False
         for offset in offsets:
             self._namespaces[offset] = None
@@ -306,7 +307,9 @@ class KeyIndex:
         """:meth:`removed`, and one :class:`BlockRemoved` naming the keys (none for no blocks).
 
         Raises:
-            InvalidInput: As :meth:`removed` (nothing is forgotten).
+            InvalidInput: As :meth:`removed`, or ``medium`` is not a non-empty
+                ``str`` (nothing is forgotten).
         """
+        check_medium(medium)
         keys = self.removed(block_ids)
         return [BlockRemoved(block_hashes=keys, medium=medium)] if keys else []
