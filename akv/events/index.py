@@ -104,11 +104,16 @@ class InstanceIndex:
     Args:
         block_size: Tokens per block of the instance.
         max_pending: Batches kept while stale (an int >= 0).
+
+    Raises:
+        InvalidInput: ``block_size`` is not an int >= 1 or ``max_pending`` not an int >= 0.
     """
 
     __slots__ = ("_entries", "_lost_to", "_pending", "_present", "applied_seq", "block_size", "last_seq_seen", "stale")
 
     def __init__(self, block_size: int, *, max_pending: int = DEFAULT_MAX_PENDING) -> None:
+        if type(block_size) is not int or block_size < 1:
+            raise InvalidInput(f"block_size must be an int >= 1, got {describe(block_size)}")
         if type(max_pending) is not int or max_pending < 0:
             raise InvalidInput(f"max_pending must be an int >= 0 (batches), got {describe(max_pending)}")
         self.block_size = block_size
