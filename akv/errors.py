@@ -165,3 +165,24 @@ class SnapshotError(AkvError):
 
 #: The values of :attr:`SnapshotError.cause`.
 SNAPSHOT_CAUSES = ("corrupt", "truncated", "missing", "foreign", "format", "io")
+
+
+class EventsGap(AkvError):
+    """Cache events a consumer needs are no longer available: it must resynchronize.
+
+    Raised when a subscription asks to resume after a sequence number that fell
+    out of the event log's replay window, or when a router is handed a
+    snapshot older than the batches it has to follow. The consumer takes a
+    fresh snapshot (``cached_keys()``) and applies the batches after it
+    (docs/events.md, "Resync").
+
+    Attributes:
+        from_seq: First sequence number that cannot be supplied.
+        to_seq: Last sequence number that cannot be supplied.
+    """
+
+    def __init__(self, from_seq: int, to_seq: int, reason: str) -> None:
+        super().__init__(f"event batches {from_seq}..{to_seq} are not available: {reason}")
+        self.from_seq = from_seq
+        self.to_seq = to_seq
+        self.reason = reason

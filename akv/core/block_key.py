@@ -218,7 +218,7 @@ def block_key_raw(parent_key: bytes | None, raw: bytes, suffix: bytes) -> bytes:
     return _digest(_PREFIX + parent + _TOKENS + _U64.pack(len(raw) // 4) + raw + suffix)
 
 
-def chain_keys_raw(raw: bytes, block_size: int, suffix: bytes) -> list[bytes]:
+def chain_keys_raw(raw: bytes, block_size: int, suffix: bytes, parent_key: bytes | None = None) -> list[bytes]:
     """:func:`chain_keys` of already validated int32 little-endian token bytes.
 
     For callers inside akv that hold the prefix tree's token bytes (no
@@ -229,6 +229,9 @@ def chain_keys_raw(raw: bytes, block_size: int, suffix: bytes) -> list[bytes]:
         block_size: Tokens per block (>= 1).
         suffix: ``encode_plain(namespace) + encode_plain(tuple(extra_keys))``
             (see :func:`chain_suffix`).
+        parent_key: Key of the block before the first one (16 bytes, not
+            checked), or ``None`` to chain from the root: a chain continued
+            below a cached block (``akv.events.key_index``).
 
     Returns:
         ``n // block_size`` keys of :data:`KEY_BYTES` bytes.
@@ -237,7 +240,7 @@ def chain_keys_raw(raw: bytes, block_size: int, suffix: bytes) -> list[bytes]:
     count = _TOKENS + _U64.pack(block_size)
     digest = _digest
     keys: list[bytes] = []
-    parent = _ROOT
+    parent = _ROOT if parent_key is None else _PARENT + parent_key
     for start in range(0, len(raw) - width + 1, width):
         key = digest(_PREFIX + parent + count + raw[start : start + width] + suffix)
         keys.append(key)
