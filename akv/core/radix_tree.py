@@ -13,8 +13,9 @@ prompt's K/V. The content key (:mod:`akv.core.block_key`) is derived from
 those tokens on demand (:meth:`RadixTree.chain`). Namespaces (tenant, adapter,
 model epoch, shard) get separate roots, which hold no block.
 
-Per node: its tokens in one ``bytearray``, its blocks' locations (today their
-device block ids, :mod:`akv.core.location`) in one ``array('q')``. Per block
+Per node (a :class:`~akv.core.radix_runs.Run`): its tokens in one
+``bytearray``, its blocks' locations (today their device block ids,
+:mod:`akv.core.location`) in one ``array('q')``. Per block
 id, two int32 numpy arrays (grown on demand) give its node and its position in
 the node's run, so a split re-points the tail with one numpy assignment.
 Matching compares a whole run with one ``bytes ==`` (numpy finds the first
@@ -37,60 +38,12 @@ from itertools import pairwise
 
 import numpy as np
 
-from akv.core.location import Location
+from akv.core.radix_runs import Run, RunQueries, as_bytes, as_ids, block_keys, leading_equal, leading_equal_ids
+
+__all__ = ["RadixTree", "block_keys"]
 
 
-class _Node:
-    """A run of blocks; a namespace's root when ``parent`` is None (then it holds no block)."""
-
-    __slots__ = ("blocks", "children", "namespace", "nid", "parent", "tokens")
-
-    def __init__(self, nid: int, parent: _Node | None, namespace: Hashable = None) -> None:
-        self.nid = nid
-        self.parent = parent
-        self.namespace = namespace
-        self.tokens = bytearray()  # int32 LE token ids of the run, 4 * block_size bytes per block
-        self.blocks = array("q")  # the run's block ids (device locations), in order
-        self.children: dict[bytes, _Node] = {}  # first block's token bytes -> child
-
-
-def _as_bytes(tokens) -> bytes:
-    """int32 little-endian bytes of ``tokens`` (bytes-like, or an integer numpy array)."""
-    if type(tokens) is bytes:
-        return tokens
-    if isinstance(tokens, np.ndarray):
-        return (tokens if tokens.dtype == np.dtype("<i4") else tokens.astype("<i4")).tobytes()
-    return bytes(tokens)
-
-
-def _as_ids(block_ids) -> array:
-    """``block_ids`` (a sequence of ints or an integer numpy array) as an ``array('q')``."""
-    if isinstance(block_ids, np.ndarray):
-        out = array("q")
-        out.frombytes(block_ids.astype(np.int64, copy=False).tobytes())
-        return out
-    return array("q", block_ids)
-
-
-def _leading_equal(a, a_off: int, b, b_off: int, count: int, width: int) -> int:
-    """How many of ``count`` ``width``-byte rows of ``a`` and ``b`` (from the offsets) are equal before the first that differs."""
-    if not count or a[a_off : a_off + count * width] == b[b_off : b_off + count * width]:
-        return count
-    x = np.frombuffer(a, np.uint8, count * width, a_off).reshape(count, width)
-    y = np.frombuffer(b, np.uint8, count * width, b_off).reshape(count, width)
-    return int((x != y).any(axis=1).argmax())
-
-
-def _leading_equal_ids(a: array, a_off: int, b: array, b_off: int, count: int) -> int:
-    """How many of ``count`` ids of ``a`` and ``b`` (from the offsets) are equal before the first that differs."""
-    if not count or a[a_off : a_off + count] == b[b_off : b_off + count]:
-        return count
-    x = np.frombuffer(a, np.int64, count, 8 * a_off)
-    y = np.frombuffer(b, np.int64, count, 8 * b_off)
-    return int((x != y).argmax())
-
-
-class RadixTree:
+class RadixTree(RunQueries):
     """Run-compressed, block-granular radix tree mapping token prefixes to cached block ids.
 
     Tokens are passed as int32 little-endian bytes (or an integer numpy
@@ -110,8 +63,8 @@ class RadixTree:
         if type(block_size) is not int or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         self._width = 4 * block_size
-        self._roots: dict[Hashable, _Node] = {}
-        self._nodes: list[_Node | None] = []
+        self._roots: dict[Hashable, Run] = {}
+        self._nodes: list[Run | None] = []
         self._free_nids: list[int] = []
         #: int32 per block id: the node holding it (-1: not in the tree), and its position in the run.
         self._node_of = np.full(64, -1, dtype=np.int32)
@@ -120,32 +73,6 @@ class RadixTree:
         self._node_mv = memoryview(self._node_of)
         self._pos_mv = memoryview(self._pos_of)
         self._size = 0
-
-    def __getstate__(self) -> dict:
-        """State for ``copy``/``pickle``: the slots but the memoryviews (rebuilt by ``__setstate__``)."""
-        return {name: getattr(self, name) for name in self.__slots__ if not name.endswith("_mv")}
-
-    def __setstate__(self, state: dict) -> None:
-        for name, value in state.items():
-            setattr(self, name, value)
-        self._node_mv, self._pos_mv = memoryview(self._node_of), memoryview(self._pos_of)
-
-    @property
-    def block_size(self) -> int:
-        """Tokens per block."""
-        return self._width // 4
-
-    def __len__(self) -> int:
-        """Number of blocks in the tree."""
-        return self._size
-
-    def __contains__(self, block_id: int) -> bool:
-        return 0 <= block_id < len(self._node_mv) and self._node_mv[block_id] >= 0
-
-    @property
-    def num_nodes(self) -> int:
-        """Runs (nodes holding blocks) in the tree; ``len(tree) / num_nodes`` is the mean run length."""
-        return len(self._nodes) - len(self._free_nids) - len(self._roots)
 
     def _grow(self, max_block_id: int) -> None:
         cap = len(self._node_of)
@@ -157,28 +84,20 @@ class RadixTree:
         self._node_of, self._pos_of = node_of, pos_of
         self._node_mv, self._pos_mv = memoryview(node_of), memoryview(pos_of)
 
-    def _new_node(self, parent: _Node | None, namespace: Hashable = None) -> _Node:
+    def _new_node(self, parent: Run | None, namespace: Hashable = None) -> Run:
         if self._free_nids:
             nid = self._free_nids.pop()
-            node = self._nodes[nid] = _Node(nid, parent, namespace)
+            node = self._nodes[nid] = Run(nid, parent, namespace)
         else:
-            node = _Node(len(self._nodes), parent, namespace)
+            node = Run(len(self._nodes), parent, namespace)
             self._nodes.append(node)
         return node
 
-    def _root(self, namespace: Hashable) -> _Node:
+    def _root(self, namespace: Hashable) -> Run:
         root = self._roots.get(namespace)
         if root is None:
             root = self._roots[namespace] = self._new_node(None, namespace)
         return root
-
-    def _place(self, namespace: Hashable, block_id: int | None, create: bool) -> tuple[_Node | None, int]:
-        """``(node, position)`` of ``block_id`` (the namespace's root and -1 for None); ``(None, -1)`` if absent."""
-        if block_id is None:
-            return (self._root(namespace) if create else self._roots.get(namespace)), -1
-        if not 0 <= block_id < len(self._node_mv) or self._node_mv[block_id] < 0:
-            return None, -1
-        return self._nodes[self._node_mv[block_id]], self._pos_mv[block_id]
 
     def match(self, namespace: Hashable, tokens, below: int | None = None) -> list[int]:
         """Block ids of the longest cached prefix of ``tokens``. O(matched bytes), one dict lookup per run.
@@ -199,7 +118,7 @@ class RadixTree:
         out: list[int] = []
         if node is None:
             return out
-        buf, w = _as_bytes(tokens), self._width
+        buf, w = as_bytes(tokens), self._width
         n = len(buf) // w
         i = 0
         while i < n:
@@ -209,7 +128,7 @@ class RadixTree:
                     break
                 node, pos = child, -1
             m = min(len(node.blocks) - pos - 1, n - i)
-            t = _leading_equal(node.tokens, (pos + 1) * w, buf, i * w, m, w)
+            t = leading_equal(node.tokens, (pos + 1) * w, buf, i * w, m, w)
             out.extend(node.blocks[pos + 1 : pos + 1 + t])
             i, pos = i + t, pos + t
             if t < m:
@@ -249,7 +168,7 @@ class RadixTree:
                 (or listed twice); the tree is left as it was (a new
                 namespace's root, which holds no block, stays).
         """
-        buf, ids, w = _as_bytes(tokens), _as_ids(block_ids), self._width
+        buf, ids, w = as_bytes(tokens), as_ids(block_ids), self._width
         n = len(ids)
         if len(buf) != n * w:
             raise ValueError(f"{len(buf) / w:g} blocks of tokens for {n} blocks")
@@ -268,8 +187,8 @@ class RadixTree:
                     break
                 node, pos = child, -1
             m = min(len(node.blocks) - pos - 1, n - i)
-            t = _leading_equal(node.tokens, (pos + 1) * w, buf, i * w, m, w)
-            same = _leading_equal_ids(node.blocks, pos + 1, ids, i, t)
+            t = leading_equal(node.tokens, (pos + 1) * w, buf, i * w, m, w)
+            same = leading_equal_ids(node.blocks, pos + 1, ids, i, t)
             if same < t:
                 return i + same
             i, pos = i + t, pos + t
@@ -279,7 +198,7 @@ class RadixTree:
             self._attach(node, pos, buf[i * w :], ids[i:])
         return n
 
-    def _attach(self, node: _Node, pos: int, buf: bytes, new: array) -> None:
+    def _attach(self, node: Run, pos: int, buf: bytes, new: array) -> None:
         """Add the new blocks ``new`` (tokens ``buf``) below ``node``'s block at ``pos``; validated first.
 
         Raises:
@@ -319,7 +238,7 @@ class RadixTree:
             seen.add(b)
         raise AssertionError(f"no block of {new.tolist()} is in the tree or listed twice")
 
-    def _split(self, node: _Node, at: int) -> None:
+    def _split(self, node: Run, at: int) -> None:
         """Move ``node``'s blocks from position ``at`` on (and its children) to a new only child."""
         w = self._width
         tail = self._new_node(node)
@@ -449,7 +368,7 @@ class RadixTree:
         self._cut(node, pos)
         removed.append(block_id)
 
-    def _cut(self, node: _Node, start: int) -> None:
+    def _cut(self, node: Run, start: int) -> None:
         """Drop ``node``'s blocks from ``start`` on (the caller unmaps them); an emptied node leaves its parent."""
         w = self._width
         self._size -= len(node.blocks) - start
@@ -461,120 +380,3 @@ class RadixTree:
             return
         del node.tokens[start * w :]
         del node.blocks[start:]
-
-    def is_leaf(self, block_id: int) -> bool:
-        """Whether ``block_id`` is in the tree and has no children."""
-        node, pos = self._place(None, block_id, create=False)
-        return node is not None and not node.children and pos == len(node.blocks) - 1
-
-    def block_ids(self) -> list[int]:
-        """Every block id in the tree, ascending."""
-        return np.flatnonzero(self._node_of >= 0).tolist()
-
-    def location(self, block_id: int) -> Location:
-        """Where ``block_id``'s K/V is (today always its device block).
-
-        Raises:
-            KeyError: ``block_id`` is not in the tree.
-        """
-        node, pos = self._place(None, block_id, create=False)
-        if node is None:
-            raise KeyError(block_id)
-        return Location.device(node.blocks[pos])
-
-    def _runs(self, block_id: int) -> tuple[Hashable, list[tuple[_Node, int]]]:
-        """The namespace and ``(node, blocks taken)`` from ``block_id``'s node up to the root's child."""
-        node, pos = self._place(None, block_id, create=False)
-        if node is None:
-            raise KeyError(block_id)
-        runs = [(node, pos + 1)]
-        node = node.parent
-        while node.parent is not None:
-            runs.append((node, len(node.blocks)))
-            node = node.parent
-        return node.namespace, runs
-
-    def path(self, block_id: int) -> list[int]:
-        """Block ids from the namespace root down to ``block_id`` (inclusive). O(depth).
-
-        Raises:
-            KeyError: ``block_id`` is not in the tree.
-        """
-        out: list[int] = []
-        for node, taken in reversed(self._runs(block_id)[1]):
-            out.extend(node.blocks[:taken])
-        return out
-
-    def chain(self, block_id: int) -> tuple[Hashable, bytes]:
-        """The namespace and the tokens from the root down to ``block_id``; read-only. O(depth).
-
-        What a block's content key is computed from
-        (:func:`akv.core.block_key.chain_keys_raw`).
-
-        Returns:
-            ``(namespace, tokens)``: the namespace the chain hangs under (as
-            passed to :meth:`insert`) and the int32 LE bytes of every block
-            of the chain, root first, ``block_id``'s last
-            (``4 * block_size`` bytes per block).
-
-        Raises:
-            KeyError: ``block_id`` is not in the tree.
-        """
-        namespace, runs = self._runs(block_id)
-        w = self._width
-        return namespace, b"".join(bytes(node.tokens[: taken * w]) for node, taken in reversed(runs))
-
-    def check(self) -> None:
-        """Consistency check: runs, children keys, parents, the per-block arrays and the size agree. O(blocks).
-
-        Raises:
-            AssertionError: Naming the inconsistent node or block.
-        """
-        w, total = self._width, 0
-        for nid, node in enumerate(self._nodes):
-            if node is None:
-                continue
-            if node.nid != nid:
-                raise AssertionError(f"node {nid} names itself {node.nid}")
-            if node.parent is None:
-                if self._roots.get(node.namespace) is not node or len(node.blocks):
-                    raise AssertionError(f"node {nid}: a root that is not its namespace's, or holds blocks")
-            elif not node.blocks or node.parent.children.get(bytes(node.tokens[:w])) is not node:
-                raise AssertionError(f"node {nid}: empty, or not its parent's child under its first block")
-            elif self._nodes[node.parent.nid] is not node.parent:
-                raise AssertionError(f"node {nid}: its parent is not in the tree")
-            if len(node.tokens) != w * len(node.blocks):
-                raise AssertionError(f"node {nid}: {len(node.tokens)} token bytes for {len(node.blocks)} blocks")
-            for key, child in node.children.items():
-                if child.parent is not node or child.tokens[:w] != key:
-                    raise AssertionError(f"node {nid}: child {child.nid} under another key or parent")
-            blocks = np.frombuffer(node.blocks, dtype=np.int64) if node.blocks else np.zeros(0, np.int64)
-            if (blocks < 0).any() or (blocks >= len(self._node_of)).any():
-                raise AssertionError(f"node {nid}: block ids outside the per-block arrays")
-            if not (self._node_of[blocks] == nid).all() or not (self._pos_of[blocks] == np.arange(len(blocks))).all():
-                raise AssertionError(f"node {nid}: the per-block arrays do not point at its run {blocks.tolist()}")
-            total += len(blocks)
-        if int(np.count_nonzero(self._node_of >= 0)) != total or total != self._size:
-            raise AssertionError(
-                f"{np.count_nonzero(self._node_of >= 0)} mapped blocks, {total} in runs, size {self._size}"
-            )
-        for nid in self._free_nids:
-            if self._nodes[nid] is not None:
-                raise AssertionError(f"node {nid} is both free and in use")
-
-
-def block_keys(tokens, block_size: int, num_blocks: int) -> list[bytes]:
-    """Per-block token bytes of the first ``num_blocks`` full blocks of ``tokens`` (for tests and tools).
-
-    Args:
-        tokens: int32 numpy array of token ids, shape ``(n,)`` with
-            ``n >= num_blocks * block_size``.
-        block_size: Tokens per block.
-        num_blocks: Full blocks to cut.
-
-    Returns:
-        ``num_blocks`` byte strings of ``4 * block_size`` bytes each.
-    """
-    width = 4 * block_size
-    raw = _as_bytes(tokens[: num_blocks * block_size])
-    return [raw[i : i + width] for i in range(0, num_blocks * width, width)]
