@@ -214,5 +214,5 @@ class RadixTreeMachine(RuleBasedStateMachine):
             assert b not in self.tree and not self.tree.is_leaf(b)
 
 
-RadixTreeMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+RadixTreeMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
 TestRadixTreeMachine = RadixTreeMachine.TestCase
