@@ -26,8 +26,12 @@ out: callers pass and receive block ids.
 Only leaves are removed (a node's last block, when the node has no children),
 so no cached block becomes unreachable while it occupies memory. A node left
 with one child after a removal is *not* merged with it: merging would re-point
-the child's whole run, and the next prompt that shares the prefix splits it
-again; SGLang does not merge on eviction either.
+the child's whole run and save one dict lookup per match through it, and such
+nodes are few (2,000 conversation-trace prompts through a ``ShardState``,
+sampled every 100: 2.4 % of runs at 83,576 blocks, 9.2 % at 222,868, with
+680-750 blocks per run); SGLang does not merge on eviction either. Nodes are
+garbage-collector-tracked objects, but there is one per run (hundreds for
+hundreds of thousands of blocks), not one per block.
 """
 
 from __future__ import annotations
