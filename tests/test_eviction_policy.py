@@ -24,7 +24,6 @@ from akv.core.eviction_policy import (
     lru_key,
     slru_key,
 )
-from akv.core.radix_tree import block_keys
 from akv.core.shard_state import ShardState
 from akv.core.step import Admit, StepRequest
 from akv.testing import PendingCopiesMachine, ShardStateMachine
@@ -433,7 +432,7 @@ def test_shard_evicts_in_policy_order_and_only_leaves(policy: str, ops) -> None:
             prompt = np.array(TRUNKS[t][:cut] + BRANCHES[b][:bcut] + [50 + n] * tail, dtype=np.int32)
             sid = f"s{n}"
             n += 1
-            hits = tree.match(state.namespace_key(None), block_keys(prompt, BS, (len(prompt) - 1) // BS))
+            hits = tree.match(state.namespace_key(None), prompt[: (len(prompt) - 1) // BS * BS])
             out = state.step(StepRequest(admits=[Admit(seq_id=sid, prompt=prompt, prefill_done=True)]))
             note(f"add {sid} {prompt.tolist()} -> {out.cached_tokens or out.rejected} evicted {out.evicted_blocks}")
             event("add: evicted" if out.evicted_blocks else "add: hit" if out.cached_tokens.get(sid) else "add")

@@ -25,8 +25,8 @@ KX = key(7, 7, 7, 7)
 
 @pytest.fixture
 def tree() -> RadixTree:
-    t = RadixTree()
-    assert t.insert(NS, None, [K0, K1, K2], [5, 6, 7]) == 3
+    t = RadixTree(BS)
+    assert t.insert(NS, None, K0 + K1 + K2, [5, 6, 7]) == 3
     return t
 
 
@@ -55,12 +55,12 @@ def test_block_keys_distinguish_token_order() -> None:
 
 # ------------------------------------------------------------------------ match
 def test_match_longest_prefix(tree: RadixTree) -> None:
-    assert tree.match(NS, [K0, K1, K2]) == [5, 6, 7]
-    assert tree.match(NS, [K0, K1, K2, K3]) == [5, 6, 7]
-    assert tree.match(NS, [K0, K1]) == [5, 6]
-    assert tree.match(NS, [K0, KX, K2]) == [5]
-    assert tree.match(NS, [KX]) == []
-    assert tree.match(NS, []) == []
+    assert tree.match(NS, K0 + K1 + K2) == [5, 6, 7]
+    assert tree.match(NS, K0 + K1 + K2 + K3) == [5, 6, 7]
+    assert tree.match(NS, K0 + K1) == [5, 6]
+    assert tree.match(NS, K0 + KX + K2) == [5]
+    assert tree.match(NS, KX) == []
+    assert tree.match(NS, b"") == []
     assert len(tree) == 3
     assert 5 in tree and 7 in tree and 8 not in tree
 
@@ -68,52 +68,52 @@ def test_match_longest_prefix(tree: RadixTree) -> None:
 def test_same_block_tokens_under_another_prefix_never_hit(tree: RadixTree) -> None:
     # K1 and K2 are cached, but only below K0: on their own, or below another
     # block, they are different prefixes.
-    assert tree.match(NS, [K1]) == []
-    assert tree.match(NS, [K1, K2]) == []
-    assert tree.match(NS, [KX, K1, K2]) == []
-    assert tree.lookup(NS, [K2]) == 0
+    assert tree.match(NS, K1) == []
+    assert tree.match(NS, K1 + K2) == []
+    assert tree.match(NS, KX + K1 + K2) == []
+    assert tree.lookup(NS, K2) == 0
 
 
 def test_namespaces_isolate(tree: RadixTree) -> None:
     other = ("shard0", "tenant-b")
-    assert tree.match(other, [K0, K1]) == []
-    assert tree.lookup(other, [K0]) == 0
-    assert tree.insert(other, None, [K0, K1], [20, 21]) == 2
-    assert tree.match(other, [K0, K1, K2]) == [20, 21]
-    assert tree.match(NS, [K0, K1, K2]) == [5, 6, 7]
-    assert tree.match(("shard1", None), [K0]) == []
+    assert tree.match(other, K0 + K1) == []
+    assert tree.lookup(other, K0) == 0
+    assert tree.insert(other, None, K0 + K1, [20, 21]) == 2
+    assert tree.match(other, K0 + K1 + K2) == [20, 21]
+    assert tree.match(NS, K0 + K1 + K2) == [5, 6, 7]
+    assert tree.match(("shard1", None), K0) == []
     assert sorted(tree.block_ids()) == [5, 6, 7, 20, 21]
     tree.check()
 
 
 def test_lookup_equals_match_length(tree: RadixTree) -> None:
-    assert tree.lookup(NS, [K0, K1, K2, K3]) == 3
-    assert tree.lookup(NS, [K0, KX]) == 1
-    assert tree.lookup(("nowhere",), [K0]) == 0
+    assert tree.lookup(NS, K0 + K1 + K2 + K3) == 3
+    assert tree.lookup(NS, K0 + KX) == 1
+    assert tree.lookup(("nowhere",), K0) == 0
     assert len(tree) == 3
     tree.check()
 
 
 # ----------------------------------------------------------------------- insert
 def test_insert_below_a_parent_block(tree: RadixTree) -> None:
-    assert tree.insert(NS, 6, [KX], [9]) == 1
-    assert tree.match(NS, [K0, K1, KX]) == [5, 6, 9]
-    assert tree.match(NS, [K0, K1, K2]) == [5, 6, 7]
+    assert tree.insert(NS, 6, KX, [9]) == 1
+    assert tree.match(NS, K0 + K1 + KX) == [5, 6, 9]
+    assert tree.match(NS, K0 + K1 + K2) == [5, 6, 7]
     assert tree.path(9) == [5, 6, 9]
     assert tree.is_leaf(9) and tree.is_leaf(7) and not tree.is_leaf(6)
     tree.check()
 
 
 def test_insert_below_unknown_parent_returns_zero(tree: RadixTree) -> None:
-    assert tree.insert(NS, 99, [K3], [8]) == 0
+    assert tree.insert(NS, 99, K3, [8]) == 0
     assert 8 not in tree
     assert len(tree) == 3
 
 
 def test_insert_of_already_published_chain_counts_it(tree: RadixTree) -> None:
-    assert tree.insert(NS, None, [K0, K1, K2], [5, 6, 7]) == 3
-    assert tree.insert(NS, 7, [K3], [8]) == 1
-    assert tree.insert(NS, None, [K0, K1, K2, K3], [5, 6, 7, 8]) == 4
+    assert tree.insert(NS, None, K0 + K1 + K2, [5, 6, 7]) == 3
+    assert tree.insert(NS, 7, K3, [8]) == 1
+    assert tree.insert(NS, None, K0 + K1 + K2 + K3, [5, 6, 7, 8]) == 4
     assert len(tree) == 4
     tree.check()
 
@@ -121,26 +121,26 @@ def test_insert_of_already_published_chain_counts_it(tree: RadixTree) -> None:
 def test_insert_stops_at_a_duplicate_block(tree: RadixTree) -> None:
     # The same tokens computed twice (as block 9 instead of 6): the chain ends
     # there and neither 9 nor anything after it is published.
-    assert tree.insert(NS, None, [K0, K1, K3], [5, 9, 10]) == 1
+    assert tree.insert(NS, None, K0 + K1 + K3, [5, 9, 10]) == 1
     assert 9 not in tree and 10 not in tree
-    assert tree.insert(NS, None, [K0, K1], [11, 12]) == 0
+    assert tree.insert(NS, None, K0 + K1, [11, 12]) == 0
     assert 11 not in tree and 12 not in tree
     assert len(tree) == 3
-    assert tree.match(NS, [K0, K1, K2]) == [5, 6, 7]
+    assert tree.match(NS, K0 + K1 + K2) == [5, 6, 7]
     tree.check()
 
 
 def test_insert_rejects_a_block_already_elsewhere(tree: RadixTree) -> None:
     with pytest.raises(ValueError, match="block 7 is already in the prefix cache elsewhere"):
-        tree.insert(NS, None, [KX], [7])
-    assert tree.match(NS, [KX]) == []
+        tree.insert(NS, None, KX, [7])
+    assert tree.match(NS, KX) == []
     assert tree.path(7) == [5, 6, 7]
     tree.check()
 
 
 def test_insert_rejects_mismatched_lengths(tree: RadixTree) -> None:
-    with pytest.raises(ValueError, match="2 keys for 1 blocks"):
-        tree.insert(NS, None, [K0, K1], [5])
+    with pytest.raises(ValueError, match="2 blocks of tokens for 1 blocks"):
+        tree.insert(NS, None, K0 + K1, [5])
     assert len(tree) == 3
 
 
@@ -150,7 +150,7 @@ def test_remove_leaves_refuses_inner_nodes(tree: RadixTree) -> None:
     assert tree.remove_leaves([99]) == ([], [99])
     assert len(tree) == 3
     assert tree.remove_leaves([7]) == ([7], [])
-    assert tree.match(NS, [K0, K1, K2]) == [5, 6]
+    assert tree.match(NS, K0 + K1 + K2) == [5, 6]
     assert 7 not in tree
     tree.check()
 
@@ -158,23 +158,23 @@ def test_remove_leaves_refuses_inner_nodes(tree: RadixTree) -> None:
 def test_remove_leaves_in_order_takes_parent_after_child(tree: RadixTree) -> None:
     assert tree.remove_leaves([7, 6, 5]) == ([7, 6, 5], [])
     assert len(tree) == 0
-    assert tree.match(NS, [K0]) == []
+    assert tree.match(NS, K0) == []
     assert tree.block_ids() == []
     # The namespace root survives; the same tokens can be published again under new ids.
-    assert tree.insert(NS, None, [K0], [30]) == 1
-    assert tree.match(NS, [K0, K1]) == [30]
+    assert tree.insert(NS, None, K0, [30]) == 1
+    assert tree.match(NS, K0 + K1) == [30]
     tree.check()
 
 
 def test_remove_leaves_parent_before_child_is_refused(tree: RadixTree) -> None:
     assert tree.remove_leaves([6, 7]) == ([7], [6])
-    assert tree.match(NS, [K0, K1, K2]) == [5, 6]
+    assert tree.match(NS, K0 + K1 + K2) == [5, 6]
     tree.check()
 
 
 def test_remove_then_same_id_can_be_inserted_elsewhere(tree: RadixTree) -> None:
     tree.remove_leaves([7])
-    assert tree.insert(NS, None, [KX], [7]) == 1
+    assert tree.insert(NS, None, KX, [7]) == 1
     assert tree.path(7) == [7]
     tree.check()
 
@@ -315,7 +315,7 @@ def test_insert_and_remove_agree_with_a_plain_model(ops) -> None:
     the results (published counts, matches, removed and refused ids, errors,
     every path and leaf) equal the plain model's, and a rejected insert changes
     nothing."""
-    tree, model = RadixTree(), _ModelTree()
+    tree, model = RadixTree(BS), _ModelTree()
     for op in ops:
         if op[0] == "insert":
             _, parent, keys, ids, ns = op
@@ -326,14 +326,14 @@ def test_insert_and_remove_agree_with_a_plain_model(ops) -> None:
                 with pytest.raises(
                     ValueError, match=r"already in the prefix cache elsewhere|listed twice in one chain"
                 ):
-                    tree.insert(ns, parent, keys, ids)
+                    tree.insert(ns, parent, b"".join(keys), ids)
                 assert sorted(tree.block_ids()) == before
             else:
-                assert tree.insert(ns, parent, keys, ids) == want
+                assert tree.insert(ns, parent, b"".join(keys), ids) == want
         elif op[0] == "match":
             _, ns, keys = op
-            assert tree.match(ns, keys) == model.match(ns, keys)
-            assert tree.lookup(ns, keys) == len(model.match(ns, keys))
+            assert tree.match(ns, b"".join(keys)) == model.match(ns, keys)
+            assert tree.lookup(ns, b"".join(keys)) == len(model.match(ns, keys))
         elif op[0] == "insert_blocks":
             saved = (dict(model.child), dict(model.parent))
             try:
@@ -361,11 +361,11 @@ def test_insert_and_remove_agree_with_a_plain_model(ops) -> None:
 
 
 def test_remove_of_a_whole_chain_leaf_first() -> None:
-    t = RadixTree()
+    t = RadixTree(BS)
     keys = [key(i, 0, 0, 0) for i in range(40)]
     ids = list(range(100, 140))
-    assert t.insert(NS, None, keys, ids) == 40
-    assert t.insert(NS, 119, [KX], [200]) == 1  # a branch: 119 has two children
+    assert t.insert(NS, None, b"".join(keys), ids) == 40
+    assert t.insert(NS, 119, KX, [200]) == 1  # a branch: 119 has two children
     assert t.remove_leaves(ids[:19:-1]) == (ids[:19:-1], [])  # 139..120, leaf first
     assert t.is_leaf(200) and not t.is_leaf(119)
     assert t.remove_leaves([119, *ids[18::-1]]) == ([], [119, *ids[18::-1]])
@@ -375,14 +375,14 @@ def test_remove_of_a_whole_chain_leaf_first() -> None:
 
 
 def test_rejected_insert_undoes_only_its_own_blocks() -> None:
-    t = RadixTree()
-    assert t.insert(NS, None, [K0, K1], [5, 6]) == 2
+    t = RadixTree(BS)
+    assert t.insert(NS, None, K0 + K1, [5, 6]) == 2
     # Walks 5 and 6, adds 9 below 6, then meets 6 again: only 9 is taken back.
     with pytest.raises(ValueError, match="block 6 is already in the prefix cache elsewhere"):
-        t.insert(NS, None, [K0, K1, K2, K3], [5, 6, 9, 6])
-    assert t.match(NS, [K0, K1, K2]) == [5, 6] and t.is_leaf(6) and 9 not in t
+        t.insert(NS, None, K0 + K1 + K2 + K3, [5, 6, 9, 6])
+    assert t.match(NS, K0 + K1 + K2) == [5, 6] and t.is_leaf(6) and 9 not in t
     with pytest.raises(ValueError, match="block 10 is listed twice in one chain"):
-        t.insert(NS, 6, [K2, K3, KX], [10, 11, 10])
+        t.insert(NS, 6, K2 + K3 + KX, [10, 11, 10])
     assert len(t) == 2 and 10 not in t and 11 not in t
     t.check()
 
@@ -394,7 +394,7 @@ def test_block_ids_outside_the_lists_are_not_in_the_tree(tree: RadixTree) -> Non
             tree.path(b)
     assert tree.remove_leaves([-1, 10**6, 7]) == ([7], [-1, 10**6])
     with pytest.raises(ValueError, match="negative block id"):
-        tree.insert(NS, None, [KX], [-2])
-    assert tree.insert(NS, None, [KX], [10**5]) == 1 and tree.path(10**5) == [10**5]
+        tree.insert(NS, None, KX, [-2])
+    assert tree.insert(NS, None, KX, [10**5]) == 1 and tree.path(10**5) == [10**5]
     assert tree.block_ids() == [5, 6, 10**5]
     tree.check()

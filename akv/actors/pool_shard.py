@@ -378,9 +378,9 @@ class PoolShardActor(Actor):
         tree = self.state.tree
         if block_id in tree:
             # Tree namespaces are (shard index, namespace) (ShardState.namespace_key); keys carry no shard.
-            (_, namespace), blocks = tree.chain(block_id)
-            depth = len(blocks)
-            key = chain_keys_raw(b"".join(blocks), block_size, chain_suffix(namespace))[-1]
+            (_, namespace), raw = tree.chain(block_id)
+            depth = len(raw) // (4 * block_size)
+            key = chain_keys_raw(raw, block_size, chain_suffix(namespace))[-1]
         return BlockInfo(
             block_id=block_id,
             shard=self.state.shard_index,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from akv.core.publish import PendingPublish
-from akv.core.radix_tree import block_keys
 from akv.core.reservation import admission_reserve
 from akv.core.sequence import Sequence
 from akv.core.step import StepOutcome
@@ -91,25 +90,22 @@ class ShardAdmission:
         if 0 < short <= self._evictable(protected.blocks()):
             self._evict(short, protected.blocks(), out)
 
-    def _match_admissions(self, admits) -> tuple[list[list[bytes]], dict[int, list[int]]]:
-        """Match phase: the block keys of every admission's full prompt blocks and its prefix hits now.
+    def _match_admissions(self, admits) -> dict[int, list[int]]:
+        """Match phase: every admission's prefix hits now (the tree compares the prompt's int32 bytes run by run).
 
         Returns:
-            ``(keys, matches)``: per admission, the keys of its full blocks
-            (``[]`` without a prefix cache), and admission index -> hit block
-            ids (the last prompt token is never served from the cache).
+            Admission index -> hit block ids (the last prompt token is never
+            served from the cache); empty without a prefix cache.
         """
         if not self.enable_prefix_cache:
-            return [], {}
+            return {}
         bs, tree = self.block_size, self.tree
-        keys = [block_keys(adm.prompt, bs, len(adm.prompt) // bs) for adm in admits]
-        matches = {
-            i: tree.match(self.namespace_key(adm.namespace), keys[i][: (len(adm.prompt) - 1) // bs])
+        return {
+            i: tree.match(self.namespace_key(adm.namespace), adm.prompt[: (len(adm.prompt) - 1) // bs * bs])
             for i, adm in enumerate(admits)
         }
-        return keys, matches
 
-    def _admit(self, admits, keys: list, matches: dict, protected: PendingHits, out: StepOutcome, sched_ids, sched):
+    def _admit(self, admits, matches: dict, protected: PendingHits, out: StepOutcome, sched_ids, sched):
         """Admit phase: each admission in order takes its hits and new blocks, or is rejected and leaves no trace.
 
         A ``prefill_done`` admission publishes its full blocks before the next
@@ -126,7 +122,7 @@ class ShardAdmission:
             length = len(adm.prompt)
             hits = matches.get(i, [])
             if published_here and len(hits) < (length - 1) // bs:
-                hits = self._match_more(adm, keys[i], hits, pending, out)
+                hits = self._match_more(adm, hits, pending, out)
             total = -(-length // bs)
             need = total - len(hits)
             reserve = admission_reserve(length, adm.max_new_tokens, bs)
@@ -135,7 +131,7 @@ class ShardAdmission:
             if err is not None:
                 out.rejected[adm.seq_id] = err
                 continue
-            seq = self._add_sequence(adm, keys[i] if self.enable_prefix_cache else None, hits, need, reserve)
+            seq = self._add_sequence(adm, hits, need, reserve)
             cached = seq.num_cached_tokens
             out.cached_tokens[adm.seq_id] = cached
             sched_ids.append(adm.seq_id)
@@ -147,7 +143,7 @@ class ShardAdmission:
         if pending.entries:
             self._publish(pending, out)
 
-    def _match_more(self, adm, keys: list[bytes], hits: list[int], pending: PendingPublish, out: StepOutcome):
+    def _match_more(self, adm, hits: list[int], pending: PendingPublish, out: StepOutcome):
         """Publish the step's queued blocks, then extend ``hits`` below its last block; the longer hit list.
 
         Earlier admissions of this step (``prefill_done``) publish first; their
@@ -156,19 +152,17 @@ class ShardAdmission:
         """
         if pending.entries:
             self._publish(pending, out)
-        max_hit_blocks = (len(adm.prompt) - 1) // self.block_size
-        ns = self.namespace_key(adm.namespace)
-        more = self.tree.match(ns, keys[len(hits) : max_hit_blocks], hits[-1] if hits else None)
+        bs = self.block_size
+        rest = adm.prompt[len(hits) * bs : (len(adm.prompt) - 1) // bs * bs]
+        more = self.tree.match(self.namespace_key(adm.namespace), rest, hits[-1] if hits else None)
         return hits + more if more else hits
 
-    def _add_sequence(self, adm, prompt_keys, hits: list[int], need: int, reserve: int) -> Sequence:
+    def _add_sequence(self, adm, hits: list[int], need: int, reserve: int) -> Sequence:
         """Create the admitted sequence: reference ``hits``, allocate ``need`` blocks, earmark ``reserve``, count it."""
         pool, tables, counters = self.pool, self.tables, self.counters
         length = len(adm.prompt)
         seq = Sequence(adm.seq_id, adm.namespace, length, tables.new_row())
         row = seq.row
-        if prompt_keys is not None:
-            seq.prompt_keys = prompt_keys
         pool.incref(hits, hit=True, distinct=True)
         seq.block_ids.extend(hits)
         seq.block_ids.extend(pool.allocate(need))

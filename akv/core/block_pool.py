@@ -40,7 +40,7 @@ docs/architecture.md).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container, Iterable
+from collections.abc import Collection, Container, Iterable
 
 import numpy as np
 
@@ -156,6 +156,13 @@ class BlockPool(BlockRefs):
     def state(self, block_id: int) -> int:
         """State constant of ``block_id`` (``FREE``, ``ACTIVE``, ``CACHED``, ``IN_FLIGHT``)."""
         return int(self._state[block_id - self.first_block_id])
+
+    def num_cached_among(self, block_ids: Collection[int]) -> int:
+        """How many of the distinct ``block_ids`` (this pool's) are cached: one numpy pass. O(len(block_ids))."""
+        if not block_ids:
+            return 0
+        ids = np.fromiter(block_ids, dtype=np.int64, count=len(block_ids)) - self.first_block_id
+        return int(np.count_nonzero(self._state[ids] == CACHED))
 
     def refcount(self, block_id: int) -> int:
         """Number of block-table references to ``block_id``."""

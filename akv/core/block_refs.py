@@ -200,9 +200,12 @@ class BlockRefs:
             return
         # Memoryviews of the arrays: per-element access from Python without
         # numpy's per-call cost (made per call: a pool stays deep-copyable).
+        keyed = self._keyed
+        if type(keyed) is SegmentedOrder and len(offsets) >= _NUMPY_RELEASE_MIN:
+            self._release_many_slru(offsets)
+            return
         published, state = memoryview(self._published), memoryview(self._state)
         freed: list[int] = []
-        keyed = self._keyed
         if type(keyed) is SegmentedOrder:
             # One pass: each cached block goes straight to the tail of its SLRU segment.
             hits = memoryview(keyed.hits)
@@ -242,6 +245,30 @@ class BlockRefs:
             self._free.extend(freed)
             self.blocks_freed += len(freed)
 
+    def _release_many_slru(self, offsets: list[int]) -> None:
+        """:meth:`_release_many` of a long batch under SLRU (no copy pins): numpy for the states, one dict update per segment.
+
+        Same result as the loop (each segment gets its blocks in release
+        order; a block already in a segment keeps its place either way).
+        Measured paired (decref of n blocks, 3/4 published): n=857 85.8 -> 59.1 us,
+        n=2000 349 -> 231 us; the loop wins below about 400 (n=256: 27.5 against 38.4 us).
+        """
+        base = self.first_block_id
+        off = np.array(offsets, dtype=np.intp)
+        pub = self._published[off]
+        cached, freed = off[pub], off[~pub]
+        self._state[cached] = CACHED
+        self._state[freed] = FREE
+        hit = self._keyed.hits[cached] != 0
+        probation, protected = self._keyed.segments()
+        probation.update(dict.fromkeys((cached[~hit] + base).tolist()))
+        protected.update(dict.fromkeys((cached[hit] + base).tolist()))
+        self._counts[CACHED] += len(cached)
+        if len(freed):
+            self._counts[FREE] += len(freed)
+            self._free.extend((freed + base).tolist())
+            self.blocks_freed += len(freed)
+
     def _release(self, i: int) -> None:
         """Move unreferenced offset ``i`` to in-flight, cached or free."""
         b = i + self.first_block_id
@@ -262,6 +289,9 @@ class BlockRefs:
 #: Up to this many distinct blocks given as a list, :meth:`BlockPool.incref` loops in Python
 #: over memoryviews (an admission's prefix hits) instead of calling numpy.
 _PY_LOOP_MAX = 256
+
+#: From this many blocks on, an SLRU release takes numpy's path (:meth:`BlockRefs._release_many_slru`).
+_NUMPY_RELEASE_MIN = 512
 
 
 _ONE = np.int32(1)  # the refcounts' dtype, so that ufunc.at takes its fast path

@@ -10,11 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from akv.core.checks import Checked
-from akv.core.radix_tree import block_keys
 from akv.core.sequence import Sequence
 from akv.core.step import StepOutcome
-
-_NO_KEYS: tuple[bytes, ...] = ()  # Sequence.prompt_keys once every prompt block is published
 
 
 class PendingPublish:
@@ -24,10 +21,10 @@ class PendingPublish:
         entries: ``(sequence, first block index, block ids)`` per queued
             insert, in queue order: the multi-block inserts, then the
             one-block ones.
-        inserts: ``(namespace key, parent block id | None, keys, block ids)``
+        inserts: ``(namespace key, parent block id | None, tokens, block ids)``
             arguments of :meth:`~akv.core.radix_tree.RadixTree.insert`, one
             per multi-block entry.
-        singles: ``(namespace key, parent block id | None, key, block id)``
+        singles: ``(namespace key, parent block id | None, token bytes, block id)``
             items of one :meth:`~akv.core.radix_tree.RadixTree.insert_blocks`
             call, one per one-block entry.
     """
@@ -93,7 +90,11 @@ class ShardPublishing:
             entries.append((seq, col, [block]))
 
     def _queue_publish(self, seq: Sequence, publishing: PendingPublish) -> None:
-        """Queue the publishing of ``seq``'s committed full blocks not published yet (one tree insert)."""
+        """Queue the publishing of ``seq``'s committed full blocks not published yet (one tree insert).
+
+        The tokens are gathered from :attr:`block_tokens` (the blocks' own
+        rows, written at admission and on every append) in one numpy index.
+        """
         if not self.enable_prefix_cache or seq.publish_stopped:
             return
         bs = self.block_size
@@ -103,13 +104,9 @@ class ShardPublishing:
             return
         parent = seq.block_ids[start - 1] if start else None
         view = seq.block_ids.view()[start:full]
-        if full <= len(seq.prompt_keys):
-            keys = seq.prompt_keys[start:full]
-        else:
-            tokens = self.block_tokens[view.astype(np.intp) - self.pool.first_block_id].reshape(-1)
-            keys = block_keys(tokens, bs, full - start)
+        tokens = self.block_tokens[view.astype(np.intp) - self.pool.first_block_id]
         ids = view.tolist()
-        publishing.inserts.append((self.namespace_key(seq.namespace), parent, keys, ids))
+        publishing.inserts.append((self.namespace_key(seq.namespace), parent, tokens, ids))
         publishing.entries.append((seq, start, ids))
 
     def _publish(self, publishing: PendingPublish, out: StepOutcome) -> None:
@@ -120,7 +117,7 @@ class ShardPublishing:
         """
         tree = self.tree
         size = len(tree)
-        results = [tree.insert(ns, parent, keys, ids) for ns, parent, keys, ids in publishing.inserts]
+        results = [tree.insert(ns, parent, tokens, ids) for ns, parent, tokens, ids in publishing.inserts]
         if publishing.singles:
             results.extend(tree.insert_blocks(publishing.singles))
         marked: list[int] = []
@@ -130,10 +127,6 @@ class ShardPublishing:
             seq.num_published = start + done
             if done < len(ids):
                 seq.publish_stopped = True
-            if seq.prompt_keys and (seq.publish_stopped or seq.num_published >= len(seq.prompt_keys)):
-                # Every prompt block is published (or never will be): drop the keys
-                # now, while they are hot, rather than one object per block at free.
-                seq.prompt_keys = _NO_KEYS
         publishing.clear()
         if marked:
             if len(tree) - size < len(marked):  # some were in the tree already, or queued twice

@@ -1,235 +1,326 @@
-"""Radix tree over full blocks: the prefix cache index.
+"""Run-compressed radix tree over full blocks: the prefix cache index.
 
-Each node stands for one full, immutable block (a node *is* its block id). Its identity is the exact
-tokens of its block *and* of every block above it (the path from its
-namespace's root), so the same ``block_size`` tokens under another prefix never
-hit. Children are keyed by the block's token ids as raw bytes, so a hit
-compares the tokens themselves, not a hash of them (no collision can serve
-another prompt's K/V). Namespaces (tenant, adapter, model epoch, shard) get
-separate roots.
+One node holds a *run* of blocks: consecutive full blocks of one prefix with
+no branch between them (SGLang's ``RadixCache`` shape,
+``python/sglang/srt/mem_cache/radix_cache.py``, at block granularity). A
+node's children hang below its **last** block and are keyed by their first
+block's token ids (int32 little-endian bytes, ``4 * block_size`` of them); a
+prefix that diverges inside a run splits the node there. A block's identity is
+the exact tokens of its block and of every block above it, so the same
+``block_size`` tokens under another prefix never hit, and a hit compares the
+stored tokens themselves, never a hash of them: no collision can serve another
+prompt's K/V. The content key (:mod:`akv.core.block_key`) is derived from
+those tokens on demand (:meth:`RadixTree.chain`). Namespaces (tenant, adapter,
+model epoch, shard) get separate roots, which hold no block.
 
-Matching costs ``O(matched blocks)`` dictionary lookups. Only leaves are
-removed, so no cached block becomes unreachable while it occupies memory.
-Nodes are never handed out: callers pass and receive block ids.
+Per node (a :class:`~akv.core.radix_runs.Run`): its tokens in one
+``bytearray``, its blocks' locations (today their device block ids,
+:mod:`akv.core.location`) in one ``array('q')``. Per block
+id, two int32 numpy arrays (grown on demand) give its node and its position in
+the node's run, so a split re-points the tail with one numpy assignment.
+Matching compares a whole run with one ``bytes ==`` (numpy finds the first
+differing block when it fails) and returns block ids by slicing runs; removal
+of a leaf node's tail blocks truncates the run in bulk. Nodes are never handed
+out: callers pass and receive block ids.
 
-Modelled on SGLang's ``RadixCache`` (``python/sglang/srt/mem_cache/radix_cache.py``)
-with one block per edge, like vLLM v1's block-hash chain.
+Only leaves are removed (a node's last block, when the node has no children),
+so no cached block becomes unreachable while it occupies memory. A node left
+with one child after a removal is *not* merged with it: merging would re-point
+the child's whole run and save one dict lookup per match through it, and such
+nodes are few (2,000 conversation-trace prompts through a ``ShardState``,
+sampled every 100: 2.4 % of runs at 83,576 blocks, 9.2 % at 222,868, with
+680-750 blocks per run); SGLang does not merge on eviction either. Nodes are
+garbage-collector-tracked objects, but there is one per run (hundreds for
+hundreds of thousands of blocks), not one per block.
 """
 
 from __future__ import annotations
 
-import struct
+from array import array
 from collections.abc import Hashable, Sequence
+from itertools import pairwise
 
 import numpy as np
 
-_ID = struct.Struct("<q")
+from akv.core.radix_runs import Run, RunQueries, as_bytes, as_ids, block_keys, leading_equal, leading_equal_ids
+
+__all__ = ["RadixTree", "block_keys"]
 
 
-class RadixTree:
-    """Block-granular radix tree mapping token prefixes to cached block ids.
+class RadixTree(RunQueries):
+    """Run-compressed, block-granular radix tree mapping token prefixes to cached block ids.
 
-    Keys are per-block token bytes: ``tokens[i*bs:(i+1)*bs]`` as little-endian
-    int32 (see :func:`block_keys`). Block ids are ints ``>= 0``.
+    Tokens are passed as int32 little-endian bytes (or an integer numpy
+    array, converted to those), ``4 * block_size`` bytes per full block.
+    Block ids are ints ``>= 0``.
 
-    Layout: no node objects. An edge is one entry of a single dict from
-    ``parent id (8 bytes) + block token bytes`` to the child's block id; each
-    block's parent id, edge and child count sit in Python lists indexed by
-    block id (grown on demand; ``None`` marks a block that is not in the
-    tree). Namespace roots get negative ids, their child counts a small dict.
-    Every container holds only ints and bytes, which CPython's cyclic garbage
-    collector does not track, so a tree of millions of blocks adds no
-    collector pauses (a node-object tree did: measured 7.1 us per block
-    admitted, evicted and freed, against 2.9 us). Lists instead of per-block
-    dicts: inserting a 48-block chain 12-18 % and removing it 21-24 %
-    cheaper (docs/benchmarks.md).
+    Args:
+        block_size: Tokens per block (>= 1).
+
+    Raises:
+        ValueError: ``block_size`` is not an int >= 1.
     """
 
-    __slots__ = ("_child", "_edge", "_num_children", "_parent", "_root_children", "_roots", "_size")
+    __slots__ = ("_free_nids", "_node_mv", "_node_of", "_nodes", "_pos_mv", "_pos_of", "_roots", "_size", "_width")
 
-    def __init__(self) -> None:
-        self._roots: dict[Hashable, int] = {}
-        self._root_children: dict[int, int] = {}
-        self._child: dict[bytes, int] = {}
-        self._parent: list[int | None] = []
-        self._edge: list[bytes | None] = []
-        self._num_children: list[int] = []  # -1 where the block is not in the tree
+    def __init__(self, block_size: int) -> None:
+        if type(block_size) is not int or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        self._width = 4 * block_size
+        self._roots: dict[Hashable, Run] = {}
+        self._nodes: list[Run | None] = []
+        self._free_nids: list[int] = []
+        #: int32 per block id: the node holding it (-1: not in the tree), and its position in the run.
+        self._node_of = np.full(64, -1, dtype=np.int32)
+        self._pos_of = np.zeros(64, dtype=np.int32)
+        # memoryviews of the same arrays: scalar reads and writes at list speed (numpy's own are ~4x slower)
+        self._node_mv = memoryview(self._node_of)
+        self._pos_mv = memoryview(self._pos_of)
         self._size = 0
 
-    def __len__(self) -> int:
-        """Number of blocks in the tree."""
-        return self._size
-
-    def __contains__(self, block_id: int) -> bool:
-        return 0 <= block_id < len(self._parent) and self._parent[block_id] is not None
-
     def _grow(self, max_block_id: int) -> None:
-        extra = max(max_block_id + 1, 2 * len(self._parent)) - len(self._parent)
-        self._parent.extend([None] * extra)
-        self._edge.extend([None] * extra)
-        self._num_children.extend([-1] * extra)
+        cap = len(self._node_of)
+        new = max(max_block_id + 1, 2 * cap, 64)
+        node_of = np.full(new, -1, dtype=np.int32)
+        node_of[:cap] = self._node_of
+        pos_of = np.zeros(new, dtype=np.int32)
+        pos_of[:cap] = self._pos_of
+        self._node_of, self._pos_of = node_of, pos_of
+        self._node_mv, self._pos_mv = memoryview(node_of), memoryview(pos_of)
 
-    def match(self, namespace: Hashable, keys: Sequence[bytes], below: int | None = None) -> list[int]:
-        """Block ids of the longest cached prefix of ``keys``. O(matched blocks).
+    def _new_node(self, parent: Run | None, namespace: Hashable = None) -> Run:
+        if self._free_nids:
+            nid = self._free_nids.pop()
+            node = self._nodes[nid] = Run(nid, parent, namespace)
+        else:
+            node = Run(len(self._nodes), parent, namespace)
+            self._nodes.append(node)
+        return node
+
+    def _root(self, namespace: Hashable) -> Run:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = self._new_node(None, namespace)
+        return root
+
+    def match(self, namespace: Hashable, tokens, below: int | None = None) -> list[int]:
+        """Block ids of the longest cached prefix of ``tokens``. O(matched bytes), one dict lookup per run.
 
         Args:
             namespace: Root to search under.
-            keys: Per-block token bytes of the prompt's full blocks.
-            below: Match ``keys`` below this block instead of the namespace's
-                root (to extend an earlier match); nothing matches below a
-                block that is not in the tree.
+            tokens: The prompt's full blocks: int32 LE bytes (or an integer
+                numpy array), ``4 * block_size`` bytes per block; a partial
+                last block is ignored.
+            below: Match ``tokens`` below this block instead of the
+                namespace's root (to extend an earlier match); nothing matches
+                below a block that is not in the tree.
 
         Returns:
             The matched block ids in logical order (possibly empty).
         """
-        node = self._roots.get(namespace) if below is None else (below if below in self else None)
+        node, pos = self._place(namespace, below, create=False)
         out: list[int] = []
         if node is None:
             return out
-        child, pack = self._child, _ID.pack
-        for key in keys:
-            node = child.get(pack(node) + key)
-            if node is None:
+        buf, w = as_bytes(tokens), self._width
+        n = len(buf) // w
+        i = 0
+        while i < n:
+            if pos + 1 == len(node.blocks):
+                child = node.children.get(buf[i * w : (i + 1) * w])
+                if child is None:
+                    break
+                node, pos = child, -1
+            m = min(len(node.blocks) - pos - 1, n - i)
+            t = leading_equal(node.tokens, (pos + 1) * w, buf, i * w, m, w)
+            out.extend(node.blocks[pos + 1 : pos + 1 + t])
+            i, pos = i + t, pos + t
+            if t < m:
                 break
-            out.append(node)
         return out
 
-    def insert(
-        self,
-        namespace: Hashable,
-        parent_block_id: int | None,
-        keys: Sequence[bytes],
-        block_ids: Sequence[int],
-    ) -> int:
+    def lookup(self, namespace: Hashable, tokens) -> int:
+        """Number of leading blocks of ``tokens`` that would hit (see :meth:`match`); no side effects."""
+        return len(self.match(namespace, tokens))
+
+    def insert(self, namespace: Hashable, parent_block_id: int | None, tokens, block_ids) -> int:
         """Publish a chain of blocks below ``parent_block_id`` (the root if None).
 
-        Walks down from the parent; a missing child is created for the given
-        block; an existing child holding the *same* block id is already
-        published; an existing child holding *another* block id (the same
-        tokens computed twice) ends the chain: that block and everything after
-        it stay private, so every node's ancestors are exactly the blocks its
-        sequences hold.
+        Walks down from the parent, a run at a time; where the chain's tokens
+        are cached under the *same* block ids it is already published; where
+        they are cached under *another* block id (the same tokens computed
+        twice) the chain ends: that block and everything after it stay
+        private, so every node's ancestors are exactly the blocks its
+        sequences hold. The rest is added in one piece: appended in place to a
+        childless run it continues (amortized O(1) per block), else a new
+        child (splitting the run first if the chain leaves it midway).
+
+        Args:
+            namespace: Root the chain hangs under (created if new).
+            parent_block_id: The block the chain continues, or None.
+            tokens: The chain's tokens: int32 LE bytes (or an integer numpy
+                array), exactly ``4 * block_size`` bytes per block.
+            block_ids: The chain's block ids (ints, or an integer numpy array).
 
         Returns:
             How many leading blocks of ``block_ids`` are now in the tree as
             themselves (0 if the parent is not in the tree).
 
         Raises:
-            ValueError: ``keys`` and ``block_ids`` differ in length, a block id
+            ValueError: ``tokens`` does not hold one block per id, a block id
                 is negative, or one is already in the tree under another place
-                (or listed twice); the blocks this call added are taken out
-                again, so the tree holds the blocks it held (a new
+                (or listed twice); the tree is left as it was (a new
                 namespace's root, which holds no block, stays).
         """
-        if len(keys) != len(block_ids):
-            raise ValueError(f"{len(keys)} keys for {len(block_ids)} blocks")
-        if not block_ids:
+        buf, ids, w = as_bytes(tokens), as_ids(block_ids), self._width
+        n = len(ids)
+        if len(buf) != n * w:
+            raise ValueError(f"{len(buf) / w:g} blocks of tokens for {n} blocks")
+        if not n:
             return 0
-        if parent_block_id is None:
-            node = self._roots.get(namespace)
-            if node is None:
-                node = self._roots[namespace] = -1 - len(self._roots)
-                self._root_children[node] = 0
-        else:
-            node = parent_block_id
-            if node not in self:
-                return 0
-        hi = max(block_ids)
-        if hi >= len(self._parent):
-            self._grow(hi)
-        if min(block_ids) < 0:
-            raise ValueError(f"negative block id in {list(block_ids)}")
-        done = 0
-        first_new = None  # index of the first block this call adds (an error undoes from there)
-        child, parent, edge, nchild, pack = self._child, self._parent, self._edge, self._num_children, _ID.pack
-        for key, block_id in zip(keys, block_ids):
-            e = pack(node) + key
-            found = child.get(e)
-            if found is None:
-                if parent[block_id] is not None:
-                    twice = first_new is not None and block_id in block_ids[first_new:done]
-                    if first_new is not None:  # undo: this call's blocks, deepest first
-                        self._size += done - first_new
-                        self.remove_leaves([block_ids[i] for i in range(done - 1, first_new - 1, -1)])
-                    if twice:
-                        raise ValueError(f"block {block_id} is listed twice in one chain")
-                    raise ValueError(f"block {block_id} is already in the prefix cache elsewhere")
-                if first_new is None:
-                    first_new = done
-                child[e] = block_id
-                parent[block_id] = node
-                edge[block_id] = e
-                nchild[block_id] = 0
-                if node >= 0:
-                    nchild[node] += 1
-                else:
-                    self._root_children[node] += 1
-            elif found != block_id:
+        node, pos = self._place(namespace, parent_block_id, create=True)
+        if node is None:
+            return 0
+        if min(ids) < 0:
+            raise ValueError(f"negative block id in {ids.tolist()}")
+        i = 0
+        while i < n:
+            if pos + 1 == len(node.blocks):
+                child = node.children.get(buf[i * w : (i + 1) * w])
+                if child is None:
+                    break
+                node, pos = child, -1
+            m = min(len(node.blocks) - pos - 1, n - i)
+            t = leading_equal(node.tokens, (pos + 1) * w, buf, i * w, m, w)
+            same = leading_equal_ids(node.blocks, pos + 1, ids, i, t)
+            if same < t:
+                return i + same
+            i, pos = i + t, pos + t
+            if t < m:
                 break
-            node = block_id
-            done += 1
-        if first_new is not None:
-            self._size += done - first_new
-        return done
+        if i < n:
+            self._attach(node, pos, buf[i * w :], ids[i:])
+        return n
+
+    def _attach(self, node: Run, pos: int, buf: bytes, new: array) -> None:
+        """Add the new blocks ``new`` (tokens ``buf``) below ``node``'s block at ``pos``; validated first.
+
+        Raises:
+            ValueError: A block of ``new`` is in the tree or listed twice (nothing changed).
+        """
+        w, n = self._width, len(new)
+        if max(new) >= len(self._node_of):
+            self._grow(max(new))
+        extend = pos + 1 == len(node.blocks) and not node.children and node.parent is not None
+        base = len(node.blocks) if extend else 0
+        arr = np.frombuffer(new, dtype=np.int64)
+        offsets = np.arange(base, base + n, dtype=np.int32)
+        if (self._node_of[arr] >= 0).any():
+            self._refuse(new)
+        self._pos_of[arr] = offsets
+        if n > 1 and not np.array_equal(self._pos_of[arr], offsets):  # a later duplicate overwrote an earlier one
+            self._refuse(new)
+        if not extend:
+            if pos + 1 < len(node.blocks):
+                self._split(node, pos + 1)
+            child = self._new_node(node)
+            node.children[buf[:w]] = child
+            node = child
+        node.tokens += buf
+        node.blocks.extend(new)
+        self._node_of[arr] = node.nid
+        self._size += n
+
+    def _refuse(self, new: array):
+        """Raise the error for the first block of ``new`` that is in the tree or listed twice."""
+        seen: set[int] = set()
+        for b in new:
+            if b in seen:
+                raise ValueError(f"block {b} is listed twice in one chain")
+            if self._node_mv[b] >= 0:
+                raise ValueError(f"block {b} is already in the prefix cache elsewhere")
+            seen.add(b)
+        raise AssertionError(f"no block of {new.tolist()} is in the tree or listed twice")
+
+    def _split(self, node: Run, at: int) -> None:
+        """Move ``node``'s blocks from position ``at`` on (and its children) to a new only child."""
+        w = self._width
+        tail = self._new_node(node)
+        tail.tokens = node.tokens[at * w :]
+        tail.blocks = node.blocks[at:]
+        tail.children = node.children
+        for c in tail.children.values():
+            c.parent = tail
+        node.children = {bytes(tail.tokens[:w]): tail}
+        del node.tokens[at * w :]
+        del node.blocks[at:]
+        moved = np.frombuffer(tail.blocks, dtype=np.int64)
+        self._node_of[moved] = tail.nid
+        self._pos_of[moved] -= at
 
     def insert_blocks(self, items: Sequence[tuple[Hashable, int | None, bytes, int]]) -> list[int]:
         """Publish single blocks, each below its parent: a decode step's newly full blocks.
 
-        Each item ``(namespace, parent_block_id | None, key, block_id)`` is
-        exactly ``insert(namespace, parent_block_id, [key], [block_id])``, in
-        order, without the per-call overhead (one call for the step instead of
-        one per sequence).
+        Each item ``(namespace, parent_block_id | None, token bytes, block_id)``
+        is exactly ``insert(namespace, parent_block_id, tokens, [block_id])``,
+        in order, without the per-call overhead (one call for the step
+        instead of one per sequence). The common case, a block continuing a
+        childless run, is appended in place: O(1) amortized.
 
         Returns:
             Per item, 1 if its block is now in the tree as itself, else 0.
 
         Raises:
-            ValueError: A block id is negative or already in the tree under
-                another place; the blocks this call added are taken out again.
+            ValueError: A token string is not one block, or a block id is
+                negative or already in the tree under another place; the
+                blocks this call added are taken out again.
         """
         out: list[int] = []
         added: list[int] = []
-        child, parent, edge, nchild, pack = self._child, self._parent, self._edge, self._num_children, _ID.pack
-        # The lines that link a new block repeat insert's on purpose: both are per-block
-        # hot loops, and a shared helper would add a method call per block to each.
-        for namespace, node, key, block_id in items:
+        w = self._width
+        for namespace, parent, key, block_id in items:
+            node, pos = self._place(namespace, parent, create=True)
             if node is None:
-                node = self._roots.get(namespace)
-                if node is None:
-                    node = self._roots[namespace] = -1 - len(self._roots)
-                    self._root_children[node] = 0
-            elif not 0 <= node < len(parent) or parent[node] is None:
                 out.append(0)
                 continue
-            if block_id >= len(parent):
+            if block_id >= len(self._node_mv):
                 self._grow(block_id)
-            e = pack(node) + key
-            found = child.get(e)
-            if found is None:
-                if block_id < 0 or parent[block_id] is not None:
-                    self._size += len(added)
-                    self.remove_leaves(added[::-1])
-                    raise ValueError(f"block {block_id} is negative or already in the prefix cache elsewhere")
-                child[e] = block_id
-                parent[block_id] = node
-                edge[block_id] = e
-                nchild[block_id] = 0
-                if node >= 0:
-                    nchild[node] += 1
-                else:
-                    self._root_children[node] += 1
-                added.append(block_id)
-                out.append(1)
+            nb = len(node.blocks)
+            if len(key) != w:
+                found = None
+            elif pos + 1 < nb:
+                found = node.blocks[pos + 1] if node.tokens[(pos + 1) * w : (pos + 2) * w] == key else None
             else:
+                child = node.children.get(key)
+                found = None if child is None else child.blocks[0]
+            if found is not None:
                 out.append(1 if found == block_id else 0)
-        self._size += len(added)
+                continue
+            if len(key) != w or block_id < 0 or self._node_mv[block_id] >= 0:
+                self.remove_leaves(added[::-1])
+                if len(key) != w:
+                    raise ValueError(f"{len(key)} bytes of tokens for block {block_id}, not {w}")
+                raise ValueError(f"block {block_id} is negative or already in the prefix cache elsewhere")
+            if pos + 1 == nb and not node.children and node.parent is not None:
+                node.tokens += key  # extends the run in place
+                node.blocks.append(block_id)
+                self._node_mv[block_id] = node.nid
+                self._pos_mv[block_id] = nb
+                self._size += 1
+            else:
+                self._attach(node, pos, key, array("q", (block_id,)))
+            added.append(block_id)
+            out.append(1)
         return out
 
     def remove_leaves(self, block_ids: Sequence[int]) -> tuple[list[int], list[int]]:
         """Remove the given blocks, each of which must be a leaf when its turn comes.
 
         Blocks are processed in order, so a parent listed after its last child
-        is removed too.
+        is removed too. The victims are cut into segments of one node's
+        consecutive positions, deepest first (the order a freed sequence's
+        blocks are evicted in); a segment ending at a childless node's last
+        block is truncated in bulk, any other is taken a block at a time.
 
         Returns:
             ``(removed, refused)``: block ids removed, and ids that were not
@@ -237,115 +328,59 @@ class RadixTree:
         """
         removed: list[int] = []
         refused: list[int] = []
-        child, parent, edge, nchild = self._child, self._parent, self._edge, self._num_children
-        n = len(parent)
-        for block_id in block_ids:
-            if not 0 <= block_id < n or nchild[block_id] != 0:
-                refused.append(block_id)
-                continue
-            del child[edge[block_id]]
-            edge[block_id] = None
-            p = parent[block_id]
-            parent[block_id] = None
-            nchild[block_id] = -1
-            if p >= 0:
-                nchild[p] -= 1
+        n = len(block_ids)
+        if not n:
+            return removed, refused
+        try:
+            ids = np.array(block_ids, dtype=np.int64)
+        except (OverflowError, TypeError, ValueError):  # ids beyond int64: none of them is in the tree
+            for b in block_ids:
+                self._remove_one(b, removed, refused)
+            return removed, refused
+        valid = (ids >= 0) & (ids < len(self._node_of))
+        safe = np.where(valid, ids, 0)
+        nids = np.where(valid, self._node_of[safe], -1)
+        pos = self._pos_of[safe]
+        brk = np.ones(n, dtype=bool)
+        brk[1:] = (nids[1:] != nids[:-1]) | (pos[1:] != pos[:-1] - 1) | (nids[1:] < 0)
+        starts = np.flatnonzero(brk).tolist()
+        starts.append(n)
+        lst, nid_list, pos_list = ids.tolist(), nids.tolist(), pos.tolist()
+        for s, e in pairwise(starts):
+            if nid_list[s] >= 0 and self._truncate_tail(lst[s], nid_list[s], pos_list[s], e - s):
+                self._node_of[ids[s:e]] = -1
+                removed.extend(lst[s:e])
             else:
-                self._root_children[p] -= 1
-            removed.append(block_id)
-        self._size -= len(removed)
+                for b in lst[s:e]:
+                    self._remove_one(b, removed, refused)
         return removed, refused
 
-    def lookup(self, namespace: Hashable, keys: Sequence[bytes]) -> int:
-        """Number of leading blocks of ``keys`` that would hit; no side effects."""
-        return len(self.match(namespace, keys))
+    def _truncate_tail(self, top_block: int, nid: int, top: int, count: int) -> bool:
+        """Cut ``count`` blocks ending at ``top_block`` (position ``top``) off node ``nid`` if they are its leaf tail."""
+        node = self._nodes[nid]
+        if node is None or node.children or top != len(node.blocks) - 1 or node.blocks[top] != top_block:
+            return False
+        self._cut(node, top - count + 1)
+        return True
 
-    def is_leaf(self, block_id: int) -> bool:
-        """Whether ``block_id`` is in the tree and has no children."""
-        return 0 <= block_id < len(self._parent) and self._num_children[block_id] == 0
+    def _remove_one(self, block_id, removed: list[int], refused: list[int]) -> None:
+        node, pos = self._place(None, block_id, create=False) if type(block_id) is int else (None, -1)
+        if node is None or node.children or pos != len(node.blocks) - 1:
+            refused.append(block_id)
+            return
+        self._node_mv[block_id] = -1
+        self._cut(node, pos)
+        removed.append(block_id)
 
-    def block_ids(self) -> list[int]:
-        """Every block id in the tree, ascending."""
-        return [b for b, p in enumerate(self._parent) if p is not None]
-
-    def path(self, block_id: int) -> list[int]:
-        """Block ids from the namespace root down to ``block_id`` (inclusive).
-
-        Raises:
-            KeyError: ``block_id`` is not in the tree.
-        """
-        if block_id not in self:
-            raise KeyError(block_id)
-        out = [block_id]
-        node = self._parent[block_id]
-        while node >= 0:
-            out.append(node)
-            node = self._parent[node]
-        out.reverse()
-        return out
-
-    def chain(self, block_id: int) -> tuple[Hashable, list[bytes]]:
-        """The namespace and per-block token bytes from the root down to ``block_id``; read-only.
-
-        O(depth). What a block's content key is computed from
-        (:func:`akv.core.block_key.chain_keys_raw`).
-
-        Returns:
-            ``(namespace, keys)``: the namespace the chain hangs under (as
-            passed to :meth:`insert`) and each block's token bytes (as
-            :func:`block_keys` cuts them), root first, ``block_id``'s last.
-
-        Raises:
-            KeyError: ``block_id`` is not in the tree.
-        """
-        path = self.path(block_id)
-        root = self._parent[path[0]]
-        namespace = next(ns for ns, node in self._roots.items() if node == root)
-        return namespace, [self._edge[b][_ID.size :] for b in path]
-
-    def check(self) -> None:
-        """Consistency check: edges, parents, child counts and the size agree.
-
-        Raises:
-            AssertionError: Naming the inconsistent block.
-        """
-        counts: dict[int, int] = dict.fromkeys(self._roots.values(), 0)
-        present = self.block_ids()
-        for block_id in present:
-            parent = self._parent[block_id]
-            e = self._edge[block_id]
-            if e is None or self._child.get(e) != block_id or _ID.unpack(e[:8])[0] != parent:
-                raise AssertionError(f"block {block_id}: edge and parent disagree")
-            if parent >= 0 and parent not in self:
-                raise AssertionError(f"block {block_id}: parent {parent} is not in the tree")
-            counts[parent] = counts.get(parent, 0) + 1
-        if not (len(self._child) == len(present) == self._size):
-            raise AssertionError(f"{len(self._child)} edges for {len(present)} blocks, size {self._size}")
-        for block_id, (p, e, n) in enumerate(zip(self._parent, self._edge, self._num_children)):
-            if p is None and (e is not None or n != -1):
-                raise AssertionError(f"block {block_id}: not in the tree but has an edge or a child count")
-            if p is not None and counts.get(block_id, 0) != n:
-                raise AssertionError(f"node {block_id}: child count {n} but {counts.get(block_id, 0)} children")
-        for node, n in self._root_children.items():
-            if counts.get(node, 0) != n:
-                raise AssertionError(f"root {node}: child count {n} but {counts.get(node, 0)} children")
-
-
-def block_keys(tokens, block_size: int, num_blocks: int) -> list[bytes]:
-    """Per-block keys of the first ``num_blocks`` full blocks of ``tokens``.
-
-    Args:
-        tokens: int32 numpy array of token ids, shape ``(n,)`` with
-            ``n >= num_blocks * block_size``.
-        block_size: Tokens per block.
-        num_blocks: Full blocks to key.
-
-    Returns:
-        ``num_blocks`` byte strings of ``4 * block_size`` bytes each.
-    """
-    width = 4 * block_size
-    head = tokens[: num_blocks * block_size]
-    if head.dtype != np.int32:  # keys are defined on int32 bytes
-        head = head.astype(np.int32)
-    raw = head.tobytes()
-    return [raw[i : i + width] for i in range(0, num_blocks * width, width)]
+    def _cut(self, node: Run, start: int) -> None:
+        """Drop ``node``'s blocks from ``start`` on (the caller unmaps them); an emptied node leaves its parent."""
+        w = self._width
+        self._size -= len(node.blocks) - start
+        if start == 0:
+            del node.parent.children[bytes(node.tokens[:w])]
+            self._nodes[node.nid] = None
+            self._free_nids.append(node.nid)
+            node.parent = None
+            return
+        del node.tokens[start * w :]
+        del node.blocks[start:]

@@ -24,8 +24,7 @@ class ShardRoom:
 
     def _evictable(self, protected: dict[int, int]) -> int:
         """Cached blocks eviction may take now (the ``protected`` prefix hits excluded)."""
-        pool = self.pool
-        return pool.num_cached - sum(1 for b in protected if pool.state(b) == CACHED)
+        return self.pool.num_cached - self.pool.num_cached_among(protected)
 
     def _make_room(
         self, need: int, total: int, protected: PendingHits, out: StepOutcome, own: int = 0

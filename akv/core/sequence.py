@@ -29,9 +29,6 @@ class Sequence:
         num_prompt_tokens: Prompt length at admission (tokens).
         num_cached_tokens: Prompt tokens served from the prefix cache.
         parent_id: The sequence this one was forked from, or None.
-        prompt_keys: Radix-tree keys of the prompt's full blocks, computed
-            once at admission; emptied once every one of those blocks is
-            published (or publishing stopped), as nothing reads them then.
     """
 
     __slots__ = (
@@ -41,7 +38,6 @@ class Sequence:
         "num_prompt_tokens",
         "num_published",
         "parent_id",
-        "prompt_keys",
         "publish_stopped",
         "seq_id",
     )
@@ -55,7 +51,6 @@ class Sequence:
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0
         self.parent_id: Hashable | None = None
-        self.prompt_keys: list[bytes] | tuple[bytes, ...] = []
 
     @property
     def row(self) -> int:
@@ -99,5 +94,4 @@ class Sequence:
         child.num_prompt_tokens = self.num_prompt_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.parent_id = self.seq_id
-        child.prompt_keys = self.prompt_keys
         return child

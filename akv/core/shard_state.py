@@ -30,7 +30,7 @@ from akv.core.checks import ShardChecks
 from akv.core.decode import ShardAppends
 from akv.core.eviction_policy import DEFAULT_EVICTION_POLICY
 from akv.core.publish import PendingPublish, ShardPublishing
-from akv.core.radix_tree import RadixTree, block_keys
+from akv.core.radix_tree import RadixTree
 from akv.core.reservation import reserved_blocks
 from akv.core.room import ShardRoom
 from akv.core.sequence import Sequence
@@ -81,6 +81,9 @@ class ShardState(ShardChecks, ShardPublishing, ShardAppends, ShardRoom, ShardAdm
             default ``block_ids.stop``, right for a lone shard of ``range(0, n)``.
         tree: The prefix tree of this shard's blocks (default: a new, empty
             :class:`RadixTree`); the shard owns it from now on.
+
+    Raises:
+        ValueError: ``tree`` has another ``block_size``.
     """
 
     def __init__(
@@ -98,7 +101,9 @@ class ShardState(ShardChecks, ShardPublishing, ShardAppends, ShardRoom, ShardAdm
         #: Padding of block tables (see :mod:`akv.core.block_table`).
         self.null_block_id = block_ids.stop if null_block_id is None else null_block_id
         #: The prefix cache index of this shard's published blocks.
-        self.tree = RadixTree() if tree is None else tree
+        self.tree = RadixTree(block_size) if tree is None else tree
+        if self.tree.block_size != block_size:
+            raise ValueError(f"a tree of {self.tree.block_size}-token blocks for a shard of {block_size}-token blocks")
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
         self.pool = BlockPool(block_ids, policy=eviction_policy)
@@ -156,7 +161,7 @@ class ShardState(ShardChecks, ShardPublishing, ShardAppends, ShardRoom, ShardAdm
             is never served from the cache, so at most ``(len - 1) // block_size``).
         """
         n = (len(prompt) - 1) // self.block_size if len(prompt) else 0
-        return self.tree.lookup(self.namespace_key(namespace), block_keys(prompt, self.block_size, n))
+        return self.tree.lookup(self.namespace_key(namespace), prompt[: n * self.block_size])
 
     def step(self, req: StepRequest) -> StepOutcome:
         """Apply one scheduler step (see :class:`~akv.core.step.StepRequest` for the order).
@@ -205,7 +210,7 @@ class ShardState(ShardChecks, ShardPublishing, ShardAppends, ShardRoom, ShardAdm
             self._publish(publishing, out)
         if req.forks:
             self._fork(req.forks, earmarks)
-        keys, matches = self._match_admissions(req.admits)
+        matches = self._match_admissions(req.admits)
         # Prefix hits of admissions not processed yet must not be evicted to make
         # room for anything else in this step.
         protected = PendingHits()
@@ -217,7 +222,7 @@ class ShardState(ShardChecks, ShardPublishing, ShardAppends, ShardRoom, ShardAdm
         sched: list[tuple[int, int, int]] = []
         decoded = self._append(req, checked, protected, out, sched_ids, sched) if req.appends else None
         if req.admits:
-            self._admit(req.admits, keys, matches, protected, out, sched_ids, sched)
+            self._admit(req.admits, matches, protected, out, sched_ids, sched)
         out.seq_ids = decoded[0] + sched_ids if decoded is not None else sched_ids
         if req.want_metadata:
             self._fill_metadata(out, decoded, sched)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant
 
 from akv.core.block_pool import ACTIVE, CACHED, FREE
-from akv.core.radix_tree import RadixTree, block_keys
+from akv.core.radix_tree import RadixTree
 from akv.core.shard_state import ShardCounters, ShardState
 from akv.core.step import StepOutcome, StepRequest
 from akv.errors import PoolExhausted, RequestTooLarge
@@ -91,7 +91,7 @@ class ShardMachineBase(RuleBasedStateMachine):
 
     def make_tree(self) -> RadixTree:
         """The prefix tree the shard under test owns."""
-        return RadixTree()
+        return RadixTree(self.block_size)
 
     @property
     def tree(self) -> RadixTree:
@@ -178,8 +178,8 @@ class ShardMachineBase(RuleBasedStateMachine):
             seq.num_published = i + 1
 
     def _real_hits(self, namespace: Hashable, prompt: list[int], num_blocks: int) -> list[int]:
-        keys = block_keys(np.asarray(prompt, dtype=np.int32), self.block_size, num_blocks)
-        return self.tree.match(self.shard.namespace_key(namespace), keys)
+        tokens = np.asarray(prompt, dtype=np.int32)[: num_blocks * self.block_size]
+        return self.tree.match(self.shard.namespace_key(namespace), tokens)
 
     def _resync_after_eviction(self, evicted: int) -> None:
         """Keep the published prefixes the tree still holds; exactly ``evicted`` must be gone."""

@@ -1,0 +1,264 @@
+"""Runs of blocks, the nodes of :class:`~akv.core.radix_tree.RadixTree`, and the tree's read-only queries.
+
+A :class:`Run` holds consecutive full blocks of one prefix: their tokens in
+one ``bytearray`` (int32 little-endian, ``4 * block_size`` bytes per block)
+and their block ids (device locations, :mod:`akv.core.location`) in one
+``array('q')``. The helpers here convert callers' tokens and ids to those
+forms and compare whole runs in bulk (one ``bytes ==``; numpy finds the first
+differing block when it fails). :class:`RunQueries` is the tree's read-only
+half (membership, paths, chains, the consistency check), kept apart from the
+mutations in :mod:`akv.core.radix_tree`.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Hashable
+
+import numpy as np
+
+from akv.core.location import Location
+
+
+class Run:
+    """A run of blocks: one node of the tree; a namespace's root when ``parent`` is None (then it holds no block).
+
+    Args:
+        nid: The node's index in the tree's node list (what the per-block
+            arrays store).
+        parent: The run whose last block this run hangs below, or None.
+        namespace: A root's namespace (None for other runs).
+    """
+
+    __slots__ = ("blocks", "children", "namespace", "nid", "parent", "tokens")
+
+    def __init__(self, nid: int, parent: Run | None, namespace: Hashable = None) -> None:
+        self.nid = nid
+        self.parent = parent
+        self.namespace = namespace
+        self.tokens = bytearray()  # int32 LE token ids of the run, 4 * block_size bytes per block
+        self.blocks = array("q")  # the run's block ids (device locations), in order
+        self.children: dict[bytes, Run] = {}  # first block's token bytes -> child
+
+
+def as_bytes(tokens) -> bytes:
+    """int32 little-endian bytes of ``tokens``.
+
+    Args:
+        tokens: Bytes-like (taken as is) or an integer numpy array of token
+            ids, shape ``(n,)`` (converted to int32 LE).
+
+    Returns:
+        ``4 * n`` bytes (``tokens`` itself if it is ``bytes``).
+    """
+    if type(tokens) is bytes:
+        return tokens
+    if isinstance(tokens, np.ndarray):
+        return (tokens if tokens.dtype == np.dtype("<i4") else tokens.astype("<i4")).tobytes()
+    return bytes(tokens)
+
+
+def as_ids(block_ids) -> array:
+    """``block_ids`` as a new ``array('q')``.
+
+    Args:
+        block_ids: A sequence of ints or an integer numpy array, shape ``(n,)``.
+
+    Raises:
+        TypeError: An element is not an integer.
+        OverflowError: An element does not fit in int64.
+    """
+    if isinstance(block_ids, np.ndarray):
+        out = array("q")
+        out.frombytes(block_ids.astype(np.int64, copy=False).tobytes())
+        return out
+    return array("q", block_ids)
+
+
+def leading_equal(a, a_off: int, b, b_off: int, count: int, width: int) -> int:
+    """Leading equal blocks of two token buffers: one ``==`` of the whole span, numpy rows if it fails.
+
+    Args:
+        a, b: Bytes-like token buffers.
+        a_off, b_off: Byte offsets of the spans compared.
+        count: Blocks in each span (both buffers hold them).
+        width: Bytes per block (``4 * block_size``).
+
+    Returns:
+        How many of the ``count`` blocks are equal before the first that differs.
+    """
+    if not count or a[a_off : a_off + count * width] == b[b_off : b_off + count * width]:
+        return count
+    x = np.frombuffer(a, np.uint8, count * width, a_off).reshape(count, width)
+    y = np.frombuffer(b, np.uint8, count * width, b_off).reshape(count, width)
+    return int((x != y).any(axis=1).argmax())
+
+
+def leading_equal_ids(a: array, a_off: int, b: array, b_off: int, count: int) -> int:
+    """Leading equal ids of two ``array('q')`` spans (``count`` ids from ``a_off`` and ``b_off``).
+
+    Returns:
+        How many of the ``count`` ids are equal before the first that differs.
+    """
+    if not count or a[a_off : a_off + count] == b[b_off : b_off + count]:
+        return count
+    x = np.frombuffer(a, np.int64, count, 8 * a_off)
+    y = np.frombuffer(b, np.int64, count, 8 * b_off)
+    return int((x != y).argmax())
+
+
+def block_keys(tokens, block_size: int, num_blocks: int) -> list[bytes]:
+    """Per-block token bytes of the first ``num_blocks`` full blocks of ``tokens`` (for tests and tools).
+
+    Args:
+        tokens: int32 numpy array of token ids, shape ``(n,)`` with
+            ``n >= num_blocks * block_size``.
+        block_size: Tokens per block.
+        num_blocks: Full blocks to cut.
+
+    Returns:
+        ``num_blocks`` byte strings of ``4 * block_size`` bytes each.
+    """
+    width = 4 * block_size
+    raw = as_bytes(tokens[: num_blocks * block_size])
+    return [raw[i : i + width] for i in range(0, num_blocks * width, width)]
+
+
+class RunQueries:
+    """Read-only queries of :class:`~akv.core.radix_tree.RadixTree` (a mixin; uses its attributes)."""
+
+    __slots__ = ()
+
+    def __getstate__(self) -> dict:
+        """State for ``copy``/``pickle``: the slots but the memoryviews (rebuilt by ``__setstate__``)."""
+        return {name: getattr(self, name) for name in self.__slots__ if not name.endswith("_mv")}
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+        self._node_mv, self._pos_mv = memoryview(self._node_of), memoryview(self._pos_of)
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self._width // 4
+
+    def __len__(self) -> int:
+        """Number of blocks in the tree."""
+        return self._size
+
+    def __contains__(self, block_id: int) -> bool:
+        return 0 <= block_id < len(self._node_mv) and self._node_mv[block_id] >= 0
+
+    @property
+    def num_nodes(self) -> int:
+        """Runs (nodes holding blocks) in the tree; ``len(tree) / num_nodes`` is the mean run length."""
+        return len(self._nodes) - len(self._free_nids) - len(self._roots)
+
+    def _place(self, namespace: Hashable, block_id: int | None, create: bool) -> tuple[Run | None, int]:
+        """``(node, position)`` of ``block_id`` (the namespace's root and -1 for None); ``(None, -1)`` if absent."""
+        if block_id is None:
+            return (self._root(namespace) if create else self._roots.get(namespace)), -1
+        if not 0 <= block_id < len(self._node_mv) or self._node_mv[block_id] < 0:
+            return None, -1
+        return self._nodes[self._node_mv[block_id]], self._pos_mv[block_id]
+
+    def is_leaf(self, block_id: int) -> bool:
+        """Whether ``block_id`` is in the tree and has no children."""
+        node, pos = self._place(None, block_id, create=False)
+        return node is not None and not node.children and pos == len(node.blocks) - 1
+
+    def block_ids(self) -> list[int]:
+        """Every block id in the tree, ascending."""
+        return np.flatnonzero(self._node_of >= 0).tolist()
+
+    def location(self, block_id: int) -> Location:
+        """Where ``block_id``'s K/V is (today always its device block).
+
+        Raises:
+            KeyError: ``block_id`` is not in the tree.
+        """
+        node, pos = self._place(None, block_id, create=False)
+        if node is None:
+            raise KeyError(block_id)
+        return Location.device(node.blocks[pos])
+
+    def _runs(self, block_id: int) -> tuple[Hashable, list[tuple[Run, int]]]:
+        """The namespace and ``(node, blocks taken)`` from ``block_id``'s node up to the root's child."""
+        node, pos = self._place(None, block_id, create=False)
+        if node is None:
+            raise KeyError(block_id)
+        runs = [(node, pos + 1)]
+        node = node.parent
+        while node.parent is not None:
+            runs.append((node, len(node.blocks)))
+            node = node.parent
+        return node.namespace, runs
+
+    def path(self, block_id: int) -> list[int]:
+        """Block ids from the namespace root down to ``block_id`` (inclusive). O(depth).
+
+        Raises:
+            KeyError: ``block_id`` is not in the tree.
+        """
+        out: list[int] = []
+        for node, taken in reversed(self._runs(block_id)[1]):
+            out.extend(node.blocks[:taken])
+        return out
+
+    def chain(self, block_id: int) -> tuple[Hashable, bytes]:
+        """The namespace and the tokens from the root down to ``block_id``; read-only. O(depth).
+
+        What a block's content key is computed from
+        (:func:`akv.core.block_key.chain_keys_raw`).
+
+        Returns:
+            ``(namespace, tokens)``: the namespace the chain hangs under (as
+            passed to :meth:`insert`) and the int32 LE bytes of every block
+            of the chain, root first, ``block_id``'s last
+            (``4 * block_size`` bytes per block).
+
+        Raises:
+            KeyError: ``block_id`` is not in the tree.
+        """
+        namespace, runs = self._runs(block_id)
+        w = self._width
+        return namespace, b"".join(bytes(node.tokens[: taken * w]) for node, taken in reversed(runs))
+
+    def check(self) -> None:
+        """Consistency check: runs, children keys, parents, the per-block arrays and the size agree. O(blocks).
+
+        Raises:
+            AssertionError: Naming the inconsistent node or block.
+        """
+        w, total = self._width, 0
+        for nid, node in enumerate(self._nodes):
+            if node is None:
+                continue
+            if node.nid != nid:
+                raise AssertionError(f"node {nid} names itself {node.nid}")
+            if node.parent is None:
+                if self._roots.get(node.namespace) is not node or len(node.blocks):
+                    raise AssertionError(f"node {nid}: a root that is not its namespace's, or holds blocks")
+            elif not node.blocks or node.parent.children.get(bytes(node.tokens[:w])) is not node:
+                raise AssertionError(f"node {nid}: empty, or not its parent's child under its first block")
+            elif self._nodes[node.parent.nid] is not node.parent:
+                raise AssertionError(f"node {nid}: its parent is not in the tree")
+            if len(node.tokens) != w * len(node.blocks):
+                raise AssertionError(f"node {nid}: {len(node.tokens)} token bytes for {len(node.blocks)} blocks")
+            for key, child in node.children.items():
+                if child.parent is not node or child.tokens[:w] != key:
+                    raise AssertionError(f"node {nid}: child {child.nid} under another key or parent")
+            blocks = np.frombuffer(node.blocks, dtype=np.int64) if node.blocks else np.zeros(0, np.int64)
+            if (blocks < 0).any() or (blocks >= len(self._node_of)).any():
+                raise AssertionError(f"node {nid}: block ids outside the per-block arrays")
+            if not (self._node_of[blocks] == nid).all() or not (self._pos_of[blocks] == np.arange(len(blocks))).all():
+                raise AssertionError(f"node {nid}: the per-block arrays do not point at its run {blocks.tolist()}")
+            total += len(blocks)
+        if int(np.count_nonzero(self._node_of >= 0)) != total or total != self._size:
+            raise AssertionError(
+                f"{np.count_nonzero(self._node_of >= 0)} mapped blocks, {total} in runs, size {self._size}"
+            )
+        for nid in self._free_nids:
+            if self._nodes[nid] is not None:
+                raise AssertionError(f"node {nid} is both free and in use")
