@@ -16,7 +16,8 @@ from collections.abc import Hashable
 from typing import Any
 
 from akv.actors.messages import Check, Evict, Inspect, InspectBlock, Lookup, Stats
-from akv.actors.pool_shard import SequenceInfo, ShardStats
+from akv.actors.pool_shard import SequenceInfo
+from akv.actors.shard_snapshot import ShardSnapshot
 from akv.core.ids import NUMPY_INTEGER_TYPES, describe, plain_id
 from akv.core.tokens import as_token_array
 from akv.errors import InvalidInput
@@ -156,13 +157,17 @@ class ManagerQueries:
             await ticket.wait_async()
         self._tickets = [t for t in self._tickets if not t.done()]
         for shard in self._shards:
-            if shard.pinned_copies:
+            if shard.snapshot.pinned_copies:
                 await self._ask(shard, Stats())
 
     async def stats(self) -> CacheStats:
-        """Snapshot of block states, counters and actor inbox depths."""
+        """Snapshot of block states, counters and actor inbox depths.
+
+        Asks every shard for a fresh snapshot (:class:`Stats`: it settles
+        finished copies first), so the counts are exact at a quiescent point.
+        """
         self._check_running()
-        shard_stats: list[ShardStats] = [await self._ask(s, Stats()) for s in self._shards]
+        shard_stats: list[ShardSnapshot] = [await self._ask(s, Stats()) for s in self._shards]
         return cache_stats(
             self.config,
             shard_stats,
@@ -191,19 +196,19 @@ class ManagerQueries:
     def block_refcounts(self) -> dict[int, int]:
         """Block id -> refcount of every block that some block table holds (read-only audit view).
 
-        Reads the shards' pools without a message, so take it at a quiescent
-        point (no call in flight); it also reads the state a crashed manager
-        left behind. The stress harness recounts it from the block tables.
+        Synchronous, without a message: each shard's own audit call
+        (:meth:`PoolShardActor.block_refcounts`), so take it at a quiescent
+        point (no call in flight). It works after a crash too (a stopped
+        shard serves no message, but its audit call reads the state it left
+        behind), which is what the stress harness audits after a fault; it
+        recounts the result from the block tables.
 
         Returns:
             ``{block_id: refcount}`` for every block with refcount >= 1. O(num_blocks).
         """
         out: dict[int, int] = {}
         for shard in self._shards:
-            pool = shard.state.pool
-            for b in range(pool.first_block_id, pool.first_block_id + pool.num_blocks):
-                if r := pool.refcount(b):
-                    out[b] = r
+            out.update(shard.block_refcounts())
         return out
 
     @property
@@ -224,13 +229,13 @@ class ManagerQueries:
         """
         if not self._shards:
             return 0.0
-        free = sum(s.free_fraction * s.state.pool.num_blocks for s in self._shards)
+        free = sum(s.snapshot.free for s in self._shards)
         return 1.0 - free / self.config.num_blocks
 
     @property
     def blocks_in_use(self) -> int:
         """Blocks referenced by sequences or pending copies (not free, not merely cached); a gauge."""
-        return sum(s.blocks_in_use for s in self._shards)
+        return sum(s.snapshot.blocks_in_use for s in self._shards)
 
     @property
     def blocks_available(self) -> int:
@@ -240,7 +245,7 @@ class ManagerQueries:
         without a message: a prompt of ``n`` blocks fits at most when
         ``n <= blocks_available`` plus its hits on blocks other sequences hold.
         """
-        return sum(s.blocks_available for s in self._shards)
+        return sum(s.snapshot.blocks_available for s in self._shards)
 
     @property
     def inbox_depths(self) -> dict[str, int]:
