@@ -413,7 +413,9 @@ class KVCacheManager(SequenceCalls, ManagerQueries):
         """
         async with self._sharded_lock:
             snaps = [s.snapshot for s in self._shards]
-            subs, children = self._shard_map.split(request, [x.num_free for x in snaps])
+            subs, children = self._shard_map.split(
+                request, [x.num_free for x in snaps], [x.blocks_available for x in snaps]
+            )
             context = self._tracer.context()
             self._check_running()
             shards = self._shards

@@ -44,9 +44,11 @@ class ManagerQueries:
         """Prompt tokens that would be served from the cache right now; no side effects.
 
         For cache-aware routers: touches neither recency nor refcounts. With
-        ``num_shards > 1`` this is the best shard's count; an admission is
-        placed by free blocks, not by prefix, so it may be served fewer
-        (docs/architecture.md, "Several shards").
+        ``num_shards > 1`` it asks the shard an admission of this prompt
+        would be placed on now (prefix-affine, :mod:`akv.core.shard_map`), so
+        it predicts what ``add_sequence`` gets unless the pool changes in
+        between; an admission with ``max_new_tokens`` may spill to another
+        shard (its reservation does not fit the affine one), and then get fewer.
 
         Args:
             prompt: Token ids, as for :meth:`add_sequence`.
@@ -61,8 +63,20 @@ class ManagerQueries:
         self._check_running()
         namespace = plain_id(namespace, "namespace of lookup()", allow_none=True)
         arr = as_token_array(prompt, self.config.vocab_size, what="prompt")
-        results = [await self._ask(shard, Lookup(namespace, arr)) for shard in self._shards]
-        return max(results) * self.config.block_size
+        bs = self.config.block_size
+        if len(self._shards) == 1:
+            return await self._ask(self._shards[0], Lookup(namespace, arr)) * bs
+        if len(arr) <= bs:  # no block of it can be served from the cache
+            return 0
+        snaps = [s.snapshot for s in self._shards]
+        shard = self._shard_map.place(
+            namespace,
+            arr,
+            -(-len(arr) // bs),
+            [x.num_free / x.num_blocks for x in snaps],
+            [x.blocks_available for x in snaps],
+        )
+        return await self._ask(self._shards[shard], Lookup(namespace, arr)) * bs
 
     async def sequence(self, seq_id: Hashable) -> SequenceInfo:
         """Snapshot of one sequence (tokens, block table, counts).
