@@ -30,7 +30,7 @@ import numpy as np
 import structlog
 
 from akv.actors.eviction_loop import EvictionLoop
-from akv.actors.messages import Step, Validate
+from akv.actors.messages import Step, StepVote
 from akv.actors.pool_shard import PoolShardActor
 from akv.actors.runtime import Actor
 from akv.config import KVCacheConfig
@@ -396,42 +396,55 @@ class KVCacheManager(SequenceCalls, ManagerQueries):
         return await self._step_sharded(request)
 
     async def _step_sharded(self, request: StepRequest) -> StepResult:
-        """Split a step by shard; validate every part, then apply every part (all or nothing).
+        """Split a step by shard and send each shard exactly one :class:`Step`; all parts apply or none.
 
-        Multi-shard steps are serialized by a lock so that no other step can
-        change a shard between the validation and the application of a part.
-        Acquiring the lock is the call's checkpoint (a cancellation there
-        applies nothing). If every shard the step touches can serve now
-        (``Actor.can_serve_now``), the parts are validated and applied on this
-        task with no await until the result is returned; otherwise they go
-        through the shards' inboxes inside a shielded scope, and a
-        cancellation is re-raised once every part is applied.
+        A step touching one shard is one plain ``Step`` (validated and applied
+        by that shard). A step touching several sends each a ``Step`` sharing
+        one :class:`StepVote`: every shard validates its part and votes, the
+        last voter applies every part or, if any part was refused, none, and
+        that refusal is raised here. Multi-shard steps are serialized by a
+        lock, so no other step reaches a shard between its vote and the
+        decision. Acquiring the lock is the call's checkpoint (a cancellation
+        there applies nothing). If every shard the step touches can serve now
+        (``Actor.can_serve_now``), the parts are served on this task with no
+        await until the result is returned; otherwise they go through the
+        shards' inboxes inside a shielded scope, and a cancellation is
+        re-raised once the step is decided.
         """
         async with self._sharded_lock:
-            subs, children = self._shard_map.split(request, [s.num_free for s in self._shards])
+            snaps = [s.snapshot for s in self._shards]
+            subs, children = self._shard_map.split(
+                request, [x.num_free for x in snaps], [x.blocks_available for x in snaps]
+            )
             context = self._tracer.context()
             self._check_running()
-            outcomes, tickets = [], []
-
-            def record(shard: int, reply: tuple[StepOutcome, Any]) -> None:
-                outcome, ticket = reply
-                self._track(ticket)
-                outcomes.append((shard, outcome))
-                if ticket is not None:
-                    tickets.append(ticket)
-
-            direct = all(self._shards[shard].can_serve_now for shard, _ in subs)
-            if direct:  # every part served on this task with no await in between: all or nothing
-                for shard, sub in subs:
-                    self._shards[shard].serve(Validate(sub))
-                for shard, sub in subs:
-                    record(shard, self._shards[shard].serve(Step(sub, context)))
+            shards = self._shards
+            direct = all(shards[shard].can_serve_now for shard, _ in subs)
+            if len(subs) == 1:
+                shard, sub = subs[0]
+                msg = Step(sub, context)
+                if direct:
+                    replies = [(shard, shards[shard].serve(msg))]
+                else:
+                    with anyio.CancelScope(shield=True):
+                        replies = [(shard, await shards[shard].ask(msg))]
             else:
-                with anyio.CancelScope(shield=True):  # all shards' parts, or none
-                    for shard, sub in subs:
-                        await self._shards[shard].ask(Validate(sub))
-                    for shard, sub in subs:
-                        record(shard, await self._shards[shard].ask(Step(sub, context)))
+                vote = StepVote(len(subs))
+                msgs = [(shards[shard], Step(sub, context, vote, part)) for part, (shard, sub) in enumerate(subs)]
+                if direct:  # every part served on this task with no await in between: all or nothing
+                    for actor, msg in msgs:
+                        actor.serve(msg)
+                else:
+                    with anyio.CancelScope(shield=True):  # all shards' parts, or none
+                        for actor, msg in msgs:
+                            await actor.ask(msg)
+                if vote.error is not None:
+                    raise vote.error
+                replies = [(shard, vote.results[part]) for part, (shard, _) in enumerate(subs)]
+            outcomes = [(shard, outcome) for shard, (outcome, _) in replies]
+            tickets = [ticket for _, (_, ticket) in replies if ticket is not None]
+            for ticket in tickets:
+                self._track(ticket)
             self._shard_map.record(outcomes, children)
         if not direct:
             await anyio.lowlevel.checkpoint_if_cancelled()
@@ -486,5 +499,5 @@ class KVCacheManager(SequenceCalls, ManagerQueries):
         return bool(result.freed)
 
     def _metrics_snapshot(self) -> MetricsSnapshot:
-        """Read the shards' counters and pool counts (plain reads; safe from a scrape thread)."""
-        return metrics_snapshot(self.config.num_blocks, list(self._shards), list(self._actors))
+        """Sum the shards' published snapshots (one attribute read each; safe from a scrape thread)."""
+        return metrics_snapshot(self.config.num_blocks, [s.snapshot for s in list(self._shards)], list(self._actors))

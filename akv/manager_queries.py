@@ -16,7 +16,8 @@ from collections.abc import Hashable
 from typing import Any
 
 from akv.actors.messages import Check, Evict, Inspect, InspectBlock, Lookup, Stats
-from akv.actors.pool_shard import SequenceInfo, ShardStats
+from akv.actors.pool_shard import SequenceInfo
+from akv.actors.shard_snapshot import ShardSnapshot
 from akv.core.ids import NUMPY_INTEGER_TYPES, describe, plain_id
 from akv.core.tokens import as_token_array
 from akv.errors import InvalidInput
@@ -43,9 +44,11 @@ class ManagerQueries:
         """Prompt tokens that would be served from the cache right now; no side effects.
 
         For cache-aware routers: touches neither recency nor refcounts. With
-        ``num_shards > 1`` this is the best shard's count; an admission is
-        placed by free blocks, not by prefix, so it may be served fewer
-        (docs/architecture.md, "Several shards").
+        ``num_shards > 1`` it asks the shard an admission of this prompt
+        would be placed on now (prefix-affine, :mod:`akv.core.shard_map`), so
+        it predicts what ``add_sequence`` gets unless the pool changes in
+        between; an admission with ``max_new_tokens`` may spill to another
+        shard (its reservation does not fit the affine one), and then get fewer.
 
         Args:
             prompt: Token ids, as for :meth:`add_sequence`.
@@ -60,8 +63,20 @@ class ManagerQueries:
         self._check_running()
         namespace = plain_id(namespace, "namespace of lookup()", allow_none=True)
         arr = as_token_array(prompt, self.config.vocab_size, what="prompt")
-        results = [await self._ask(shard, Lookup(namespace, arr)) for shard in self._shards]
-        return max(results) * self.config.block_size
+        bs = self.config.block_size
+        if len(self._shards) == 1:
+            return await self._ask(self._shards[0], Lookup(namespace, arr)) * bs
+        if len(arr) <= bs:  # no block of it can be served from the cache
+            return 0
+        snaps = [s.snapshot for s in self._shards]
+        shard = self._shard_map.place(
+            namespace,
+            arr,
+            -(-len(arr) // bs),
+            [x.num_free / x.num_blocks for x in snaps],
+            [x.blocks_available for x in snaps],
+        )
+        return await self._ask(self._shards[shard], Lookup(namespace, arr)) * bs
 
     async def sequence(self, seq_id: Hashable) -> SequenceInfo:
         """Snapshot of one sequence (tokens, block table, counts).
@@ -156,13 +171,17 @@ class ManagerQueries:
             await ticket.wait_async()
         self._tickets = [t for t in self._tickets if not t.done()]
         for shard in self._shards:
-            if shard.pinned_copies:
+            if shard.snapshot.pinned_copies:
                 await self._ask(shard, Stats())
 
     async def stats(self) -> CacheStats:
-        """Snapshot of block states, counters and actor inbox depths."""
+        """Snapshot of block states, counters and actor inbox depths.
+
+        Asks every shard for a fresh snapshot (:class:`Stats`: it settles
+        finished copies first), so the counts are exact at a quiescent point.
+        """
         self._check_running()
-        shard_stats: list[ShardStats] = [await self._ask(s, Stats()) for s in self._shards]
+        shard_stats: list[ShardSnapshot] = [await self._ask(s, Stats()) for s in self._shards]
         return cache_stats(
             self.config,
             shard_stats,
@@ -191,19 +210,19 @@ class ManagerQueries:
     def block_refcounts(self) -> dict[int, int]:
         """Block id -> refcount of every block that some block table holds (read-only audit view).
 
-        Reads the shards' pools without a message, so take it at a quiescent
-        point (no call in flight); it also reads the state a crashed manager
-        left behind. The stress harness recounts it from the block tables.
+        Synchronous, without a message: each shard's own audit call
+        (:meth:`PoolShardActor.block_refcounts`), so take it at a quiescent
+        point (no call in flight). It works after a crash too (a stopped
+        shard serves no message, but its audit call reads the state it left
+        behind), which is what the stress harness audits after a fault; it
+        recounts the result from the block tables.
 
         Returns:
             ``{block_id: refcount}`` for every block with refcount >= 1. O(num_blocks).
         """
         out: dict[int, int] = {}
         for shard in self._shards:
-            pool = shard.state.pool
-            for b in range(pool.first_block_id, pool.first_block_id + pool.num_blocks):
-                if r := pool.refcount(b):
-                    out[b] = r
+            out.update(shard.block_refcounts())
         return out
 
     @property
@@ -224,13 +243,13 @@ class ManagerQueries:
         """
         if not self._shards:
             return 0.0
-        free = sum(s.free_fraction * s.state.pool.num_blocks for s in self._shards)
+        free = sum(s.snapshot.free for s in self._shards)
         return 1.0 - free / self.config.num_blocks
 
     @property
     def blocks_in_use(self) -> int:
         """Blocks referenced by sequences or pending copies (not free, not merely cached); a gauge."""
-        return sum(s.blocks_in_use for s in self._shards)
+        return sum(s.snapshot.blocks_in_use for s in self._shards)
 
     @property
     def blocks_available(self) -> int:
@@ -240,7 +259,7 @@ class ManagerQueries:
         without a message: a prompt of ``n`` blocks fits at most when
         ``n <= blocks_available`` plus its hits on blocks other sequences hold.
         """
-        return sum(s.blocks_available for s in self._shards)
+        return sum(s.snapshot.blocks_available for s in self._shards)
 
     @property
     def inbox_depths(self) -> dict[str, int]:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from akv.actors.pool_shard import ShardStats
+from akv.actors.shard_snapshot import COUNTER_NAMES, ShardSnapshot
 from akv.config import KVCacheConfig
 from akv.core.step import StepOutcome
 from akv.obs.metrics import MetricsSnapshot
@@ -54,17 +54,17 @@ def _tensor(array: np.ndarray | None) -> torch.Tensor | None:
 
 def cache_stats(
     config: KVCacheConfig,
-    shard_stats: Sequence[ShardStats],
+    shard_stats: Sequence[ShardSnapshot],
     *,
     eviction: Any,
     max_inbox_depth: dict[str, int],
     pool_bytes: int,
 ) -> CacheStats:
-    """Sum the shards' :class:`ShardStats` into one :class:`~akv.results.CacheStats`.
+    """Sum the shards' snapshots into one :class:`~akv.results.CacheStats`.
 
     Args:
         config: The manager's configuration (pool and block sizes).
-        shard_stats: One reply per shard.
+        shard_stats: One :class:`~akv.actors.shard_snapshot.ShardSnapshot` per shard (the ``Stats`` replies).
         eviction: The eviction loop's stats (``batches``, ``blocks``).
         max_inbox_depth: Actor name -> deepest inbox seen.
         pool_bytes: Bytes of the K/V tensors (0 in metadata mode).
@@ -72,7 +72,7 @@ def cache_stats(
     Returns:
         The snapshot; ``usage`` and ``hit_rate`` are fractions in [0, 1].
     """
-    c = [s.counters for s in shard_stats]
+    c = [s.counter_values() for s in shard_stats]
     prompt = sum(x.prompt_tokens for x in c)
     cached = sum(x.cached_tokens for x in c)
     free = sum(s.free for s in shard_stats)
@@ -110,33 +110,32 @@ def cache_stats(
     )
 
 
-def metrics_snapshot(num_blocks: int, shards: Iterable[Any], actors: Iterable[Any]) -> MetricsSnapshot:
-    """Read the shards' counters and pool counts (plain reads; safe from a scrape thread).
+def metrics_snapshot(num_blocks: int, snapshots: Iterable[ShardSnapshot], actors: Iterable[Any]) -> MetricsSnapshot:
+    """Sum the shards' published snapshots (safe from a scrape thread: each is read once, whole).
 
     Args:
         num_blocks: Usable blocks of the whole pool.
-        shards: The pool shard actors (their ``state`` is read).
+        snapshots: The pool shards' :class:`~akv.actors.shard_snapshot.ShardSnapshot`
+            (each read once by the caller, so every shard's counts are consistent).
         actors: Every actor (their ``name`` and ``inbox_depth``).
 
     Returns:
         Summed counters (``blocks_freed`` included), block counts by state,
         inbox depths and reserved blocks.
     """
-    totals: dict[str, int] = {}
+    totals = dict.fromkeys(COUNTER_NAMES, 0)
+    totals["blocks_freed"] = 0
     blocks = {"free": 0, "active": 0, "cached": 0, "in_flight": 0}
     reserved = 0
-    for shard in shards:
-        state = shard.state
-        c = state.counters
-        for name in c.__slots__:
-            totals[name] = totals.get(name, 0) + getattr(c, name)
-        pool = state.pool
-        totals["blocks_freed"] = totals.get("blocks_freed", 0) + pool.blocks_freed
-        blocks["free"] += pool.num_free
-        blocks["active"] += pool.num_active
-        blocks["cached"] += pool.num_cached
-        blocks["in_flight"] += pool.num_in_flight
-        reserved += state.num_reserved
+    for snap in snapshots:
+        for name, value in zip(COUNTER_NAMES, snap.counters, strict=True):
+            totals[name] += value
+        totals["blocks_freed"] += snap.blocks_freed
+        blocks["free"] += snap.free
+        blocks["active"] += snap.active
+        blocks["cached"] += snap.cached
+        blocks["in_flight"] += snap.in_flight
+        reserved += snap.reserved
     return MetricsSnapshot(
         counters=totals,
         blocks=blocks,

@@ -13,6 +13,7 @@ import pytest
 from akv import KVCacheManager
 from akv.errors import InvalidInput
 from tests.manager_helpers import publish, state_view
+from tests.placement import on_shard
 
 pytestmark = pytest.mark.anyio
 
@@ -80,9 +81,9 @@ async def test_evict_never_takes_a_referenced_block(tiny_config) -> None:
 
 async def test_evict_across_shards(tiny_config) -> None:
     async with KVCacheManager(tiny_config(num_shards=2)) as kv:
-        for i in range(4):
-            await publish(kv, f"s{i}", [200 + 100 * i + t for t in range(9)])
-        assert [shard.state.pool.num_cached for shard in kv._shards] == [4, 4]  # placed by free blocks
+        for i in range(4):  # placed by their first block: two on each shard
+            await publish(kv, f"s{i}", on_shard(i % 2, 9, 2, start=200 + 100 * i))
+        assert [shard.snapshot.cached for shard in kv._shards] == [4, 4]
         assert (await kv.stats()).cached == 8
         assert await kv.evict(np.int64(5)) == 5
         assert (await kv.stats()).cached == 3

@@ -47,8 +47,8 @@ def _watchdog():
 async def test_two_shards_route_and_keep_forks_in_the_parent_shard(tiny_config) -> None:
     async with KVCacheManager(tiny_config(num_blocks=16, num_shards=2)) as kv:
         run = Runner(kv)
-        await run.admit("a", list(range(10)))
-        await run.admit("b", list(range(100, 110)))
+        await run.admit("a", list(range(100, 110)))  # placed by its first block: shard 0
+        await run.admit("b", list(range(10)))  # shard 1
         a, b = await kv.sequence("a"), await kv.sequence("b")
         assert (a.shard, b.shard) == (0, 1)
         assert all(0 <= x < 8 for x in a.block_ids)
@@ -65,7 +65,7 @@ async def test_two_shards_route_and_keep_forks_in_the_parent_shard(tiny_config) 
         for sid in ("a", "a1", "a2", "b"):
             await run.verify(sid)
 
-        # Prefix hits are shard-local; lookup reports the best shard.
+        # Prefix hits are shard-local; lookup asks the shard the prompt would be placed on.
         assert await kv.lookup(list(range(10))) == 8
         assert await kv.lookup(list(range(100, 110))) == 8
         stats = await kv.stats()
@@ -110,8 +110,8 @@ async def test_two_shards_duplicate_id_is_refused(tiny_config) -> None:
 async def test_two_shards_error_applies_nothing(tiny_config) -> None:
     # Regression: shard 0's part (a's commit, publishing 2 blocks) was applied before shard 1 raised; fixed in 6e1dc5a.
     async with KVCacheManager(tiny_config(num_blocks=16, num_shards=2)) as kv:
-        await kv.add_sequence("a", list(range(10)))
-        await kv.add_sequence("b", list(range(10)))
+        await kv.add_sequence("a", list(range(100, 110)))  # placed by its first block: shard 0
+        await kv.add_sequence("b", list(range(10)))  # shard 1
         assert ((await kv.sequence("a")).shard, (await kv.sequence("b")).shard) == (0, 1)
         before = await snapshot(kv, ["a", "b"])
         with pytest.raises(InvalidInput):

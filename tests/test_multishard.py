@@ -1,10 +1,13 @@
 """Three and four pool shards: admission under pressure, cross-shard forks, the eviction loop, cancellation.
 
-Routing (``KVCacheManager._step_sharded``): an admission goes to the shard
-with the largest free fraction at the start of its step, less what the step's
-earlier admissions were routed there (ties: the lowest index); a fork and its
-children stay in the parent's shard; prefix hits are shard-local. So the
-layouts below are known exactly and every count is asserted exactly. Block ids
+Routing (``ShardMap.place``): an admission goes to the shard its first block
+belongs to (prefix-affine: :func:`tests.placement.on_shard` picks prompts for a
+shard) if that shard can hold it; otherwise, and for prompts shorter than a
+block, to the shard with the largest free fraction at the start of its step,
+less what the step's earlier admissions were routed there (ties: the lowest
+index); a fork and its children stay in the parent's shard; prefix hits are
+shard-local. So the layouts below are known exactly and every count is
+asserted exactly. Block ids
 of shard ``i`` are ``range(i * per_shard, (i + 1) * per_shard)``.
 """
 
@@ -22,6 +25,7 @@ from akv.errors import PoolExhausted, RequestTooLarge, UnknownSequence
 from tests.checkpoints import run_cancelled
 from tests.eviction_passes import EvictionPasses
 from tests.manager_helpers import BS, Runner, snapshot
+from tests.placement import on_shard
 
 pytestmark = pytest.mark.anyio
 
@@ -37,6 +41,11 @@ def prompt(seed: int, num_tokens: int) -> list[int]:
     return [(seed * 97 + j) % 1000 for j in range(num_tokens)]
 
 
+def placed(shard: int, seed: int, num_tokens: int, num_shards: int) -> list[int]:
+    """A prompt unique to ``seed`` whose first block belongs to ``shard`` (where it goes if it fits)."""
+    return on_shard(shard, num_tokens, num_shards, start=seed * 97)
+
+
 async def shard_of(kv: KVCacheManager, seq_id: Hashable, per_shard: int) -> int:
     """The sequence's shard, checked against the block-id range of every block it holds."""
     info = await kv.sequence(seq_id)
@@ -45,19 +54,20 @@ async def shard_of(kv: KVCacheManager, seq_id: Hashable, per_shard: int) -> int:
 
 
 def shard_counts(kv: KVCacheManager) -> list[tuple[int, int, int]]:
-    """(free, active, cached) blocks of each shard, read from the shards' pools (a quiescent point)."""
-    return [(s.state.pool.num_free, s.state.pool.num_active, s.state.pool.num_cached) for s in kv._shards]
+    """(free, active, cached) blocks of each shard, from the snapshots the shards published (a quiescent point)."""
+    return [(s.snapshot.free, s.snapshot.active, s.snapshot.cached) for s in kv._shards]
 
 
 # ------------------------------------------------------------ admission
 async def test_a_full_shard_refuses_with_its_numbers_though_others_have_room(tiny_config) -> None:
-    """4 shards of 8 blocks, each holding 5 blocks (shard 3's cached): a 7-block and a 4-block prompt go
-    to shard 0 (placement by free blocks, ties to the lowest index, as docs/architecture.md "Several
-    shards" states) and are refused with shard 0's numbers, though 12 blocks are free in all and shard 3
-    could evict room for either; a 9-block prompt is too large for any shard of the 32-block pool."""
+    """4 shards of 8 blocks, each holding 5 blocks (shard 3's cached): a 7-block and a 4-block prompt
+    whose first blocks belong to shard 0, which cannot hold them, spill by free fraction (all equal:
+    ties to the lowest index, shard 0 again) and are refused with shard 0's numbers, though 12 blocks
+    are free in all and shard 3 could evict room for either; a 9-block prompt is too large for any
+    shard of the 32-block pool."""
     async with KVCacheManager(tiny_config(num_blocks=32, num_shards=4)) as kv:
         for i in range(4):
-            await kv.add_sequence(f"s{i}", prompt(i, 20))  # 5 blocks, one sequence per shard
+            await kv.add_sequence(f"s{i}", placed(i, i, 20, 4))  # 5 blocks, one sequence per shard
             assert await shard_of(kv, f"s{i}", 8) == i
         await kv.commit("s3", 20)  # s3's 5 full blocks published in shard 3
         await kv.free("s3")  # shard 3: 3 free + 5 cached
@@ -67,13 +77,13 @@ async def test_a_full_shard_refuses_with_its_numbers_though_others_have_room(tin
         exhausted = (await kv.stats()).pool_exhausted
 
         with pytest.raises(PoolExhausted) as info:
-            await kv.add_sequence("x", prompt(10, 28))  # 7 blocks
+            await kv.add_sequence("x", placed(0, 10, 28, 4))  # 7 blocks
         assert (info.value.requested_blocks, info.value.free_blocks, info.value.evictable_blocks) == (7, 3, 0)
         with pytest.raises(RequestTooLarge) as too_large:
             await kv.add_sequence("y", prompt(11, 8 * BS + 1))  # 9 blocks > 8 per shard (32 in the pool)
         assert (too_large.value.requested_blocks, too_large.value.num_blocks) == (9, 8)
         with pytest.raises(PoolExhausted) as info:
-            await kv.add_sequence("z", prompt(12, 16))  # 4 blocks: shard 0 has 3 free, nothing cached
+            await kv.add_sequence("z", placed(0, 12, 16, 4))  # 4 blocks: shard 0 has 3 free, nothing cached
         assert (info.value.requested_blocks, info.value.free_blocks, info.value.evictable_blocks) == (4, 3, 0)
         assert await snapshot(kv, ids) == before
         assert (await kv.stats()).pool_exhausted == exhausted + 2
@@ -173,7 +183,7 @@ async def test_eviction_loop_relieves_only_the_shard_under_pressure(tiny_config,
     passes = EvictionPasses(monkeypatch)
     cfg = tiny_config(num_blocks=32, num_shards=4, low_watermark=0.5, high_watermark=0.75)
     async with KVCacheManager(cfg) as kv:
-        prompts = [prompt(i, 9) for i in range(4)]  # 3 blocks, 2 published at once
+        prompts = [placed(i, i, 9, 4) for i in range(4)]  # 3 blocks, 2 published at once
         for i in range(4):
             await kv.step(admits=[Admit(seq_id=f"a{i}", prompt=prompts[i], prefill_done=True)])
             assert await shard_of(kv, f"a{i}", 8) == i
@@ -181,7 +191,7 @@ async def test_eviction_loop_relieves_only_the_shard_under_pressure(tiny_config,
             await kv.free(f"a{i}")
         assert shard_counts(kv) == [(6, 0, 2)] * 4
         assert passes.passes == []  # 5 free at the lowest: never below 4
-        await kv.add_sequence("big", prompt(9, 16))  # 4 blocks into shard 0: 2 free, 2 cached
+        await kv.add_sequence("big", placed(0, 9, 16, 4))  # 4 blocks into shard 0: 2 free, 2 cached
         await passes.wait_for(lambda done: any(p.shard == 0 and p.free_blocks == 4 for p in done))
         assert shard_counts(kv) == [(4, 4, 0), (6, 0, 2), (6, 0, 2), (6, 0, 2)]
         stats = await kv.stats()
@@ -206,9 +216,10 @@ async def test_cancelled_callers_across_four_shards_with_the_eviction_loop_on_le
     passes = EvictionPasses(monkeypatch)
     cfg = tiny_config(num_blocks=32, num_shards=4, low_watermark=0.25, high_watermark=0.5, eviction_batch_blocks=1)
     async with KVCacheManager(cfg) as kv:
-        for i in range(4):  # 12 fillers of 2 full blocks (published at once), 3 per shard by free room
+        for i in range(4):  # 12 fillers of 2 full blocks (published at once), 3 per shard by their first block
             for j in range(3):
-                await kv.step(admits=[Admit(seq_id=f"f{i}{j}", prompt=prompt(100 + 3 * i + j, 8), prefill_done=True)])
+                filler = placed(i, 100 + 3 * i + j, 8, 4)
+                await kv.step(admits=[Admit(seq_id=f"f{i}{j}", prompt=filler, prefill_done=True)])
         for i in range(4):
             for j in range(3):
                 await kv.free(f"f{i}{j}")
@@ -271,7 +282,7 @@ async def test_a_step_cancelled_while_its_shards_apply_it_is_applied_whole(tiny_
 
     def handle_then_cancel(self: PoolShardActor, msg):
         result = real_handle(self, msg)
-        if isinstance(msg, Step) and self.state.shard_index == 1:
+        if isinstance(msg, Step) and self.index == 1:
             scope.cancel()  # on shard 1's task, before its reply: the caller is waiting for it
         return result
 
@@ -280,7 +291,7 @@ async def test_a_step_cancelled_while_its_shards_apply_it_is_applied_whole(tiny_
             shard.direct = False
         monkeypatch.setattr(PoolShardActor, "handle", handle_then_cancel)
         with scope:
-            await kv.step(admits=[Admit(seq_id=f"a{i}", prompt=prompt(i, 9)) for i in range(3)])
+            await kv.step(admits=[Admit(seq_id=f"a{i}", prompt=placed(i, i, 9, 3)) for i in range(3)])
         assert scope.cancelled_caught
         monkeypatch.setattr(PoolShardActor, "handle", real_handle)
         assert [await shard_of(kv, f"a{i}", 6) for i in range(3)] == [0, 1, 2]

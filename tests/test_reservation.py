@@ -22,6 +22,7 @@ from akv import Admit, KVCacheManager
 from akv.core.shard_state import ShardState
 from akv.core.step import StepRequest
 from akv.errors import InvalidInput, ManagerClosed, PoolExhausted, RequestTooLarge, UnknownSequence
+from tests.placement import on_shard
 
 BS = 4
 
@@ -227,18 +228,20 @@ async def test_fork_refused_when_its_earmark_does_not_fit(tiny_config) -> None:
 
 @pytest.mark.anyio
 async def test_multi_shard_step_refused_whole_when_a_fork_earmark_cannot_be_evicted_for(tiny_config) -> None:
-    """Regression: shard 0 applied its part (a free) before shard 1's fork found that its cached
-    blocks could not be evicted (above a block a pending copy pins) and raised: a half-applied
+    """Regression: one shard applied its part (a free) before the other shard's fork found that its
+    cached blocks could not be evicted (above a block a pending copy pins) and raised: a half-applied
     step. The fork's room is now checked exactly when every part is validated."""
     async with KVCacheManager(tiny_config(num_blocks=16, num_shards=2)) as kv:
         gate = gate_copies(kv)
         try:
-            await kv.add_sequence("z0", prompt(4, 200))  # shard 0 (ties go to shard 0)
-            await pin_below_cached(kv)  # shard 1: 2 cached blocks, not evictable now
-            await kv.add_sequence("z1", prompt(12, 300))  # shard 0
-            await kv.add_sequence("z2", prompt(4, 400))  # shard 0
-            await kv.add_sequence("p", prompt(3, 500), max_new_tokens=13)  # shard 1: its last 3 free blocks earmarked
-            assert [(await kv.sequence(s)).shard for s in ("z0", "z1", "z2", "p")] == [0, 0, 0, 1]
+            # Placed by their first blocks: the z's on shard 1, a (pin_below_cached) on shard 0.
+            await kv.add_sequence("z0", on_shard(1, 4, 2, start=200))
+            await pin_below_cached(kv)  # shard 0: 2 cached blocks, not evictable now
+            await kv.add_sequence("z1", on_shard(1, 12, 2, start=300))
+            await kv.add_sequence("z2", on_shard(1, 4, 2, start=400))
+            # Shorter than a block: to the freer shard 0, its last 3 free blocks earmarked.
+            await kv.add_sequence("p", prompt(3, 500), max_new_tokens=13)
+            assert [(await kv.sequence(s)).shard for s in ("z0", "z1", "z2", "p")] == [1, 1, 1, 0]
             before = await counts(kv)
             assert before == (6, 6, 2, 3, 4)
             with pytest.raises(PoolExhausted) as info:  # p's shared tail needs a copy block: none to be had
@@ -246,14 +249,14 @@ async def test_multi_shard_step_refused_whole_when_a_fork_earmark_cannot_be_evic
             err = info.value
             assert (err.requested_blocks, err.free_blocks, err.evictable_blocks) == (1, 0, 0)
             assert await counts(kv) == before
-            assert (await kv.sequence("z2")).num_tokens == 4  # shard 0's part was not applied
+            assert (await kv.sequence("z2")).num_tokens == 4  # shard 1's part was not applied
             with pytest.raises(UnknownSequence):
                 await kv.sequence("q")
         finally:
             gate.set()
         await kv.wait_copies()  # the tail's pin is released: its ancestors can be evicted
         await kv.step(frees=["z2"], forks=[("p", ["q"])])
-        assert (await kv.sequence("q")).shard == 1
+        assert (await kv.sequence("q")).shard == 0
         await kv.check()
 
 

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import ast
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from akv.core.block_key import chain_keys
 from akv.core.shard_map import ShardMap
 from akv.core.step import Admit, StepOutcome, StepRequest
 from akv.errors import DuplicateSequence, UnknownSequence
@@ -26,9 +32,14 @@ def admitted(shards: ShardMap, placed: dict[str, int]) -> None:
     shards.record(outcomes, {})
 
 
-def test_admissions_go_to_the_largest_free_fraction_less_the_step_s_earlier_admissions() -> None:
+def short(seq_id: str, num_tokens: int) -> Admit:
+    """An admission of a prompt shorter than a block (placed by free blocks) that reserves ``num_tokens`` in all."""
+    return admit(seq_id, BS - 1, max_new_tokens=num_tokens - (BS - 1))
+
+
+def test_short_prompts_go_to_the_largest_free_fraction_less_the_step_s_earlier_admissions() -> None:
     shards = ShardMap([10, 10], BS, NULL)
-    request = StepRequest(admits=[admit("a", 3 * BS), admit("b", BS), admit("c", BS, max_new_tokens=BS)])
+    request = StepRequest(admits=[short("a", 3 * BS), short("b", BS), short("c", 2 * BS)])
     subs, children = shards.split(request, [8, 6])
     # a: 0.8 vs 0.6 -> shard 0 (left 0.5); b: 0.5 vs 0.6 -> shard 1 (left 0.5); c: tie -> shard 0.
     assert [(shard, [a.seq_id for a in sub.admits]) for shard, sub in subs] == [(0, ["a", "c"]), (1, ["b"])]
@@ -84,11 +95,82 @@ def test_a_refused_split_changes_no_owner(request_: StepRequest) -> None:
 def test_a_freed_id_may_be_admitted_again_in_the_same_step() -> None:
     shards = ShardMap([10, 10], BS, NULL)
     admitted(shards, {"p": 1})
-    subs, _ = shards.split(StepRequest(frees=("p",), admits=[admit("p", BS)]), [10, 10])
+    subs, _ = shards.split(StepRequest(frees=("p",), admits=[admit("p", BS - 1)]), [10, 10])
     assert [(shard, list(sub.frees), [a.seq_id for a in sub.admits]) for shard, sub in subs] == [
         (0, [], ["p"]),
         (1, ["p"], []),
     ]
+
+
+def first_block_shard(prompt: np.ndarray, namespace, num_shards: int) -> int:
+    """The affine shard as documented: the first block's content key, its first 8 bytes big-endian, mod shards."""
+    key = chain_keys(prompt[:BS], BS, namespace)[0]
+    return int.from_bytes(key[:8], "big") % num_shards
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    first=st.lists(st.integers(0, 999), min_size=BS, max_size=BS),
+    tails=st.lists(st.lists(st.integers(0, 999), max_size=3 * BS), min_size=2, max_size=4),
+    namespace=st.one_of(st.none(), st.integers(-5, 5), st.text(max_size=3), st.tuples(st.just("lora"), st.integers())),
+    num_shards=st.integers(2, 5),
+    free=st.data(),
+)
+def test_a_prompt_goes_to_its_first_block_s_shard_whatever_follows_and_whatever_is_free(
+    first: list[int], tails: list[list[int]], namespace, num_shards: int, free: st.DataObject
+) -> None:
+    shards = ShardMap([64] * num_shards, BS, NULL)
+    want = first_block_shard(np.array(first, dtype=np.int32), namespace, num_shards)
+    for i, tail in enumerate(tails):
+        prompt = np.array(first + tail, dtype=np.int32)
+        assert shards.affine_shard(namespace, prompt) == want
+        num_free = free.draw(st.lists(st.integers(8, 64), min_size=num_shards, max_size=num_shards))
+        adm = Admit(seq_id=i, prompt=prompt, namespace=namespace)
+        subs, _ = shards.split(StepRequest(admits=[adm]), num_free)
+        assert [shard for shard, _ in subs] == [want]
+
+
+def test_a_prompt_shorter_than_a_block_has_no_affine_shard() -> None:
+    shards = ShardMap([10, 10, 10], BS, NULL)
+    assert shards.affine_shard(None, np.arange(BS - 1, dtype=np.int32)) is None
+    assert shards.affine_shard(None, np.arange(BS, dtype=np.int32)) is not None
+
+
+def test_the_affine_shard_is_the_same_in_every_process() -> None:
+    """A str namespace: Python's hash() of it differs between processes (PYTHONHASHSEED); the shard does not."""
+    code = (
+        "import numpy as np; from akv.core.shard_map import ShardMap; m = ShardMap([8] * 7, 4, 99); "
+        "print([m.affine_shard(ns, np.arange(i, i + 4, dtype=np.int32)) for ns in ('tenant', b'x', None) "
+        "for i in range(20)], hash('tenant'))"
+    )
+    runs = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        runs.append(out.stdout.rsplit(" ", 1))
+    (shards_1, hash_1), (shards_2, hash_2) = runs
+    assert hash_1 != hash_2  # the two processes do salt str hashes differently
+    assert shards_1 == shards_2
+    assert len(set(ast.literal_eval(shards_1))) == 7  # 60 prefixes reach all 7 shards
+
+
+def test_spill_when_the_affine_shard_cannot_hold_the_admission_with_the_step_s_earlier_ones() -> None:
+    """Room is unreserved free plus cached blocks of the affine shard, less what the step's earlier
+    admissions there take; a prompt that does not fit spills to the largest free fraction."""
+    shards = ShardMap([10, 10], BS, NULL)
+    prompt = np.arange(2 * BS, dtype=np.int32)  # 2 blocks
+    home = shards.affine_shard(None, prompt)
+    other = 1 - home
+    room = [0, 0]
+    room[home], room[other] = 3, 9
+    free = [1, 1]
+    free[home], free[other] = 1, 2  # the other shard is freer: it takes what spills
+    admits = [Admit(seq_id=i, prompt=prompt) for i in range(3)]
+    subs, _ = shards.split(StepRequest(admits=admits), free, room)
+    assert {shard: [a.seq_id for a in sub.admits] for shard, sub in subs} == {home: [0], other: [1, 2]}
+    reserve = Admit(seq_id="r", prompt=prompt, max_new_tokens=2 * BS)  # 4 blocks > 3
+    assert shards.split(StepRequest(admits=[reserve]), free, room)[0][0][0] == other
+    assert shards.place(None, prompt, 3, [0.1, 0.2], room) == home  # what lookup asks: fits
 
 
 def shard_outcome(rows: list[tuple[str, int, int]]) -> StepOutcome:

@@ -1,8 +1,10 @@
 """Eviction loop: a control loop that keeps every shard's free blocks above its low watermark.
 
-The shards publish their free blocks after every message (less those that
-reservations earmark: those are taken, see :mod:`akv.core.reservation`) and
-set a wake-up event when they drop below the low watermark. The loop then asks that shard to
+The shards publish a snapshot after every message
+(:class:`~akv.actors.shard_snapshot.ShardSnapshot`; the loop reads its
+unreserved free blocks: those that reservations earmark are taken, see
+:mod:`akv.core.reservation`) and set a wake-up event when they drop below
+the low watermark; the loop reads nothing else of a shard. The loop then asks that shard to
 evict cached leaves (first in the eviction policy's order) in batches of
 ``eviction_batch_blocks`` until its free blocks reach the high watermark or
 nothing is left to evict, logging one ``eviction.batch`` line per batch. Both
@@ -93,9 +95,9 @@ class EvictionLoop:
 
     async def _relieve(self, shard: PoolShardActor) -> None:
         high = shard.high_free_blocks
-        while not self._stopping and shard.num_free < high:
-            want = min(self.batch_blocks, high - shard.num_free)
-            before = 1.0 - shard.free_fraction
+        while not self._stopping and shard.snapshot.num_free < high:
+            want = min(self.batch_blocks, high - shard.snapshot.num_free)
+            before = 1.0 - shard.snapshot.free_fraction
             with self.tracer.span("akv.evict_batch") as span:
                 t0 = time.perf_counter()
                 try:
@@ -103,19 +105,17 @@ class EvictionLoop:
                 except AkvError:
                     # The shard is stopping (e.g. closed during the ask's checkpoint); the manager reports why.
                     if span.is_recording():
-                        span.set_attributes(
-                            {"akv.shard": shard.state.shard_index, "akv.blocks_requested": want, "akv.blocks": 0}
-                        )
+                        span.set_attributes({"akv.shard": shard.index, "akv.blocks_requested": want, "akv.blocks": 0})
                     return
                 elapsed = time.perf_counter() - t0
                 if span.is_recording():
                     span.set_attributes(
                         {
-                            "akv.shard": shard.state.shard_index,
+                            "akv.shard": shard.index,
                             "akv.blocks_requested": want,
                             "akv.blocks": evicted,
                             "akv.usage_before": before,
-                            "akv.usage_after": 1.0 - shard.free_fraction,
+                            "akv.usage_after": 1.0 - shard.snapshot.free_fraction,
                         }
                     )
             if not evicted:
@@ -127,9 +127,9 @@ class EvictionLoop:
                 self.batch_seconds.observe(elapsed)
             self.log.info(
                 "eviction.batch",
-                shard=shard.state.shard_index,
+                shard=shard.index,
                 blocks=evicted,
                 usage_before=round(before, 4),
-                usage_after=round(1.0 - shard.free_fraction, 4),
+                usage_after=round(1.0 - shard.snapshot.free_fraction, 4),
                 elapsed_s=round(elapsed, 6),
             )

@@ -1,4 +1,4 @@
-"""Messages served by the pool shard actor (frozen, slotted dataclasses)."""
+"""Messages served by the pool shard actor (frozen, slotted dataclasses), and the vote shared by a multi-shard step's parts."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from akv.core.step import StepRequest
+from akv.errors import AkvError
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,22 +17,84 @@ class Step:
     """Apply a :class:`~akv.core.step.StepRequest`; reply ``StepOutcome`` plus a copy ticket.
 
     ``context`` is the caller's OpenTelemetry context: the shard's span is its child.
+
+    Without a ``vote`` the shard validates and applies the request in one go
+    (raising its input error with nothing applied). With one, the request is
+    part ``part`` of a step split over several shards, each sent exactly one
+    ``Step``: the shard validates its part, records the verdict in the shared
+    :class:`StepVote` and replies None; the shard that casts the last vote
+    applies every part, or none if a part was refused (:meth:`StepVote.finish`);
+    the caller reads the outcomes (or the refusal) from the vote.
     """
 
     request: StepRequest
     context: Any = None
+    vote: StepVote | None = None
+    part: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Validate:
-    """Check a :class:`~akv.core.step.StepRequest` without applying it; reply None or raise.
+class StepVote:
+    """The all-or-nothing decision of one step split over several shards, shared by its ``Step`` parts.
 
-    Raises what its :class:`Step` would: input errors, and ``PoolExhausted``
-    for a fork whose copy-on-write earmark cannot be had (checked exactly), so
-    a multi-shard step validated on every shard applies on every shard.
+    Each part's shard validates its part (on its own task, or on the caller's
+    on the direct path) and calls :meth:`accept` or :meth:`refuse`. Nothing is
+    applied before the last part has voted; the shard casting that vote calls
+    :meth:`finish`, which applies every accepted part, in part order, each
+    through the shard that accepted it, if no part was refused, and nothing
+    if one was. No handler waits for this: a shard that has voted goes on
+    serving other messages, which see it as it was before the step until the
+    decision. The sender keeps every other step away from the shards until
+    the vote is decided (the manager's sharded lock); the only other message
+    that changes a shard, an eviction, only turns cached blocks into free
+    ones, which no validated part can be hurt by.
+
+    Attributes:
+        num_parts: Parts of the step (one per shard it touches).
+        error: The refusal of the lowest refused part (for the caller to raise), or None.
+        results: Part index -> the ``(StepOutcome, copy ticket)`` its shard
+            applied, filled by :meth:`finish` when no part was refused.
     """
 
-    request: StepRequest
+    __slots__ = ("_accepted", "_error_part", "_voted", "error", "num_parts", "results")
+
+    def __init__(self, num_parts: int) -> None:
+        self.num_parts = num_parts
+        self.error: AkvError | None = None
+        self._error_part = num_parts
+        self.results: dict[int, tuple[Any, Any]] = {}
+        self._accepted: list[tuple[int, Any, Step]] = []
+        self._voted = 0
+
+    @property
+    def complete(self) -> bool:
+        """Whether every part has voted."""
+        return self._voted == self.num_parts
+
+    def accept(self, part: int, shard: Any, msg: Step) -> None:
+        """Part ``part`` is valid on ``shard``, which applies ``msg`` (``shard.apply_step``) unless a part is refused."""
+        self._accepted.append((part, shard, msg))
+        self._voted += 1
+
+    def refuse(self, part: int, error: AkvError) -> None:
+        """Part ``part`` is invalid: the step applies nowhere; the lowest refused part's ``error`` is kept."""
+        if part < self._error_part:
+            self.error, self._error_part = error, part
+        self._voted += 1
+
+    def finish(self, current: Any) -> None:
+        """Apply every accepted part through its shard unless a part was refused; the last voter calls it.
+
+        Args:
+            current: The shard casting the last vote: it publishes its snapshot
+                once its own message is done; every other shard publishes right
+                after its part is applied.
+        """
+        accepted, self._accepted = self._accepted, []
+        if self.error is not None:
+            return
+        accepted.sort(key=lambda item: item[0])
+        for part, shard, msg in accepted:
+            self.results[part] = shard.apply_step(msg, publish=shard is not current)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +136,7 @@ class Room:
 
 @dataclass(frozen=True, slots=True)
 class Stats:
-    """Reply a :class:`~akv.actors.pool_shard.ShardStats` snapshot (after settling finished copies)."""
+    """Reply the shard's :class:`~akv.actors.shard_snapshot.ShardSnapshot`, published after settling finished copies."""
 
 
 @dataclass(frozen=True, slots=True)

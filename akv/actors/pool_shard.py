@@ -11,9 +11,13 @@ submit), and their source and destination blocks stay pinned until the copy
 has run: neither can be handed out again while the copy may still read or
 write it.
 
-After every message it publishes its free fraction and its unreserved free
-blocks and, below the low watermark, wakes the eviction loop (a hint through
-an event, not an ask). Blocks earmarked by reservations count as taken there.
+After every message it publishes a :class:`~akv.actors.shard_snapshot.ShardSnapshot`
+(:attr:`PoolShardActor.snapshot`: pool counts by state, reservations,
+counters), replaced by one attribute assignment, which is all that anyone
+outside the actor reads of it (the manager's gauges, ``stats`` and placement,
+the eviction loop, the metrics scrape thread); below the low watermark it
+wakes the eviction loop (a hint through an event, not an ask). Blocks
+earmarked by reservations count as taken there.
 Tasks waiting for room (``KVCacheManager.wait_for_room``) wait on
 :meth:`PoolShardActor.room_changed`, set after a message that freed
 sequences, evicted blocks or raised the free plus evictable blocks, when a
@@ -32,12 +36,13 @@ from typing import Any
 
 import anyio
 
-from akv.actors.messages import Check, Evict, Inspect, InspectBlock, Lookup, Room, Stats, Step, Validate
+from akv.actors.messages import Check, Evict, Inspect, InspectBlock, Lookup, Room, Stats, Step
 from akv.actors.runtime import Actor
+from akv.actors.shard_snapshot import ShardSnapshot, take_snapshot
 from akv.core.block_key import chain_keys_raw, chain_suffix
 from akv.core.block_pool import STATE_NAMES
 from akv.core.reservation import row_reserved
-from akv.core.shard_state import ShardCounters, ShardState
+from akv.core.shard_state import ShardState
 from akv.core.step import StepOutcome, StepRequest
 from akv.errors import AkvError, InvalidInput, PoolExhausted
 from akv.obs.tracing import AkvTracer
@@ -75,24 +80,6 @@ class SequenceInfo:
     parent_id: Hashable | None
     max_tokens: int | None = None
     reserved_blocks: int = 0
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ShardStats:
-    """Snapshot of one shard (units: blocks unless named otherwise)."""
-
-    shard: int
-    num_blocks: int
-    free: int
-    active: int
-    cached: int
-    in_flight: int
-    num_sequences: int
-    counters: ShardCounters
-    max_inbox_depth: int
-    blocks_freed: int = 0
-    prefix_cache_blocks: int = 0
-    reserved: int = 0
 
 
 class PoolShardActor(Actor):
@@ -138,21 +125,40 @@ class PoolShardActor(Actor):
         self.copy_bytes = copy_bytes
         self.tracer = tracer or AkvTracer()
         self._pinned: list[tuple[Any, list[int]]] = []  # (ticket, source blocks)
-        #: Free fraction after the last message (0.0-1.0), read by the eviction loop.
-        self.free_fraction = 1.0
-        #: Free blocks no reservation holds after the last message, read by the eviction loop.
-        self.num_free = state.pool.num_free
-        #: Referenced (active) plus in-flight blocks after the last message.
-        self.blocks_in_use = 0
-        #: Unreserved free plus evictable (cached) blocks after the last message.
-        self.blocks_available = state.pool.num_blocks
-        #: Copy batches whose pins were not released yet, after the last message
-        #: (``KVCacheManager.wait_copies`` settles the shards where it is not 0).
-        self.pinned_copies = 0
+        #: The shard's index (fixed).
+        self.index = state.shard_index
+        #: The counts after the last message served (see :mod:`akv.actors.shard_snapshot`):
+        #: replaced, never changed, so any task or thread may read it.
+        self.snapshot: ShardSnapshot = take_snapshot(state, pinned_copies=0, version=0)
         self._room_event: anyio.Event | None = None  # made on demand: no waiter, no cost
         self._room_hint = False  # the message being served freed sequences or evicted blocks
         self._thread_id = threading.get_ident()  # the event loop's thread
         self._schedule: Callable[[Callable[[], object]], object] | None = None
+
+    @property
+    def num_free(self) -> int:
+        """Unreserved free blocks after the last message (``snapshot.num_free``)."""
+        return self.snapshot.num_free
+
+    @property
+    def free_fraction(self) -> float:
+        """Free fraction after the last message, 0.0-1.0 (``snapshot.free_fraction``)."""
+        return self.snapshot.free_fraction
+
+    @property
+    def blocks_in_use(self) -> int:
+        """Active plus in-flight blocks after the last message (``snapshot.blocks_in_use``)."""
+        return self.snapshot.blocks_in_use
+
+    @property
+    def blocks_available(self) -> int:
+        """Unreserved free plus cached blocks after the last message (``snapshot.blocks_available``)."""
+        return self.snapshot.blocks_available
+
+    @property
+    def pinned_copies(self) -> int:
+        """Copy batches whose pins were not released after the last message (``snapshot.pinned_copies``)."""
+        return self.snapshot.pinned_copies
 
     def room_changed(self) -> anyio.Event:
         """An event set once room may have grown (or the actor stopped); take it before asking :class:`Room`.
@@ -182,37 +188,19 @@ class PoolShardActor(Actor):
             self._room_event = None
 
     def handle(self, msg: Any) -> Any:
-        """Serve :class:`Step`, :class:`Validate`, :class:`Evict`, :class:`Lookup`, :class:`Room`, :class:`Inspect`, :class:`InspectBlock`, :class:`Stats` or :class:`Check`.
+        """Serve :class:`Step`, :class:`Evict`, :class:`Lookup`, :class:`Room`, :class:`Inspect`, :class:`InspectBlock`, :class:`Stats` or :class:`Check`.
 
         Synchronous (it never awaits), so the runtime may run it on an asking
-        task when the shard is idle (see :mod:`akv.actors.runtime`).
+        task when the shard is idle (see :mod:`akv.actors.runtime`). Publishes
+        :attr:`snapshot` before it returns, whatever the message.
         """
         self._settle_copies()
+        result: Any = None
         if isinstance(msg, Step):
-            with self.tracer.span("akv.shard_step", context=msg.context) as span:
-                allocated = self.state.counters.blocks_allocated
-                outcome: StepOutcome = self.state.step(msg.request)
-                ticket = self._submit_copies(outcome) if outcome.copies else None
-                if span.is_recording():
-                    span.set_attributes(
-                        {
-                            "akv.shard": self.state.shard_index,
-                            "akv.blocks_allocated": self.state.counters.blocks_allocated - allocated,
-                            "akv.evicted_blocks": outcome.evicted_blocks,
-                            "akv.scheduled": len(outcome.seq_ids),
-                            "akv.rejected": len(outcome.rejected),
-                            "akv.free_blocks": self.state.pool.num_free,
-                        }
-                    )
-            self._log_step(msg.request, outcome)
-            self._room_hint = bool(outcome.freed or outcome.evicted_blocks)
-            result: Any = (outcome, ticket)
-        elif isinstance(msg, Validate):
-            req = msg.request
-            self.state.validate(req)
-            if req.forks and self.state.num_reserved_seqs:
-                self.state.fork_room(req.forks)
-            result = None
+            if msg.vote is None:
+                result = self.apply_step(msg, publish=False)
+            else:
+                self._vote(msg)
         elif isinstance(msg, Evict):
             result = self.state.evict(msg.max_blocks)
             self._room_hint = result > 0
@@ -224,15 +212,63 @@ class PoolShardActor(Actor):
             result = self._inspect(msg.seq_id)
         elif isinstance(msg, InspectBlock):
             result = self._inspect_block(msg.block_id)
-        elif isinstance(msg, Stats):
-            result = self._stats()
         elif isinstance(msg, Check):
             self.state.check()
-            result = None
-        else:
+        elif not isinstance(msg, Stats):
             raise TypeError(f"{self.name}: unknown message {type(msg).__name__}")
         self._after()
-        return result
+        return self.snapshot if isinstance(msg, Stats) else result
+
+    def _vote(self, msg: Step) -> None:
+        """Validate this shard's part of a multi-shard step and vote; the last voter decides (see :class:`StepVote`)."""
+        vote, req = msg.vote, msg.request
+        try:
+            self.state.validate(req)
+            if req.forks and self.state.num_reserved_seqs:
+                self.state.fork_room(req.forks)
+        except AkvError as exc:
+            vote.refuse(msg.part, exc)
+        else:
+            vote.accept(msg.part, self, msg)
+        if vote.complete:
+            vote.finish(self)
+
+    def apply_step(self, msg: Step, *, publish: bool) -> tuple[StepOutcome, Any]:
+        """Apply ``msg.request`` to the shard: the outcome and the copy ticket (or None).
+
+        Called by :meth:`handle`, and by :meth:`StepVote.finish` for a part
+        this shard accepted (on the task of the shard that voted last: handlers
+        never await, so no other handler is running then).
+
+        Args:
+            msg: The step (or part of one).
+            publish: Publish the snapshot right after (a part applied outside
+                this shard's own message); :meth:`handle` publishes otherwise.
+
+        Raises:
+            AkvError: The request's input error (nothing applied); a voted
+                part was validated already and does not raise one.
+        """
+        with self.tracer.span("akv.shard_step", context=msg.context) as span:
+            allocated = self.state.counters.blocks_allocated
+            outcome: StepOutcome = self.state.step(msg.request)
+            ticket = self._submit_copies(outcome) if outcome.copies else None
+            if span.is_recording():
+                span.set_attributes(
+                    {
+                        "akv.shard": self.index,
+                        "akv.blocks_allocated": self.state.counters.blocks_allocated - allocated,
+                        "akv.evicted_blocks": outcome.evicted_blocks,
+                        "akv.scheduled": len(outcome.seq_ids),
+                        "akv.rejected": len(outcome.rejected),
+                        "akv.free_blocks": self.state.pool.num_free,
+                    }
+                )
+        self._log_step(msg.request, outcome)
+        self._room_hint = bool(outcome.freed or outcome.evicted_blocks)
+        if publish:
+            self._after()
+        return outcome, ticket
 
     def _submit_copies(self, outcome: StepOutcome) -> Any:
         """Submit a step's copy-on-write pairs to the stream worker; pin their blocks until they ran."""
@@ -336,20 +372,37 @@ class PoolShardActor(Actor):
         self._pinned = keep
 
     def _after(self) -> None:
-        pool = self.state.pool
-        self.num_free = free = pool.num_free - self.state.num_reserved
-        self.free_fraction = pool.num_free / pool.num_blocks
-        self.blocks_in_use = pool.num_active + pool.num_in_flight
-        self.pinned_copies = len(self._pinned)
-        available = free + pool.num_cached
-        if self._room_event is not None and (self._room_hint or available > self.blocks_available):
+        """Publish the snapshot; wake the room waiters and the eviction loop if it says so."""
+        before = self.snapshot
+        self.snapshot = snap = take_snapshot(self.state, pinned_copies=len(self._pinned), version=before.version + 1)
+        available = snap.blocks_available
+        if self._room_event is not None and (self._room_hint or available > before.blocks_available):
             self._wake_room()
         self._room_hint = False
-        self.blocks_available = available
-        if free < self.low_free_blocks and pool.num_cached:
+        if snap.num_free < self.low_free_blocks and snap.cached:
             self.wake_eviction()
         if self.debug_invariants:
             self.state.check_counters()
+
+    def block_refcounts(self) -> dict[int, int]:
+        """The shard's audit call: block id -> refcount of every block a block table holds.
+
+        Synchronous and O(num_blocks): it reads the shard's own pool, so call
+        it at a quiescent point (no message in flight; handlers never await,
+        so the actor is never half-way through one when another task runs).
+        It also works once the actor has stopped or crashed: the state it
+        leaves behind is kept, and this reads it as it was when the actor
+        stopped, the point its last :attr:`snapshot` describes.
+
+        Returns:
+            ``{block_id: refcount}`` for every block with refcount >= 1.
+        """
+        pool = self.state.pool
+        out: dict[int, int] = {}
+        for b in range(pool.first_block_id, pool.first_block_id + pool.num_blocks):
+            if r := pool.refcount(b):
+                out[b] = r
+        return out
 
     def _inspect(self, seq_id: Hashable) -> SequenceInfo:
         seq = self.state.get(seq_id)
@@ -390,22 +443,4 @@ class PoolShardActor(Actor):
             depth=depth,
             num_tokens_in_chain=depth * block_size,
             namespace=namespace,
-        )
-
-    def _stats(self) -> ShardStats:
-        pool = self.state.pool
-        c = self.state.counters
-        return ShardStats(
-            shard=self.state.shard_index,
-            num_blocks=pool.num_blocks,
-            free=pool.num_free,
-            active=pool.num_active,
-            cached=pool.num_cached,
-            in_flight=pool.num_in_flight,
-            num_sequences=len(self.state.sequences),
-            counters=ShardCounters(**{f: getattr(c, f) for f in c.__slots__}),
-            max_inbox_depth=self.max_inbox_depth,
-            blocks_freed=pool.blocks_freed,
-            prefix_cache_blocks=len(self.state.tree),
-            reserved=self.state.num_reserved,
         )

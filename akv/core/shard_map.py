@@ -5,9 +5,20 @@ object only decides what each shard is sent and puts the replies back together.
 
 - **Split** (:meth:`ShardMap.split`): frees, commits, forks and appends go to the
   shard that owns the sequence (a fork child to its parent's shard); each
-  admission is placed on the shard with the largest unreserved free fraction,
-  less what the step's earlier admissions there will take (placement by free
-  blocks, not by prefix).
+  admission is placed by :meth:`ShardMap.place`.
+- **Place** (:meth:`ShardMap.place`): prefix-affine. A prompt of at least one
+  full block goes to its *affine shard*, picked by the content key of its
+  first block (:func:`~akv.core.block_key.chain_keys_raw` of the namespace and
+  the first ``block_size`` token ids, xxh3_128; never Python's ``hash()``),
+  so the same prefix always lands where its blocks are cached, in every
+  process. Prompts shorter than a block, and prompts whose affine shard
+  cannot hold them (fewer unreserved free plus cached blocks there than the
+  prompt and its reservation need, less what the step's earlier admissions
+  there take), spill to the shard with the largest unreserved free fraction
+  left (placement by free blocks). ``KVCacheManager.lookup`` routes the same
+  way, so it predicts what an admission gets unless the pool changes in
+  between or the admission spills for its ``max_new_tokens`` (which a
+  lookup does not know): then the lookup may over-promise.
 - **Record** (:meth:`ShardMap.record`): after every part is applied, freed
   sequences leave the map, fork children and admitted sequences join it.
 - **Merge** (:meth:`ShardMap.merge`): the shards' :class:`~akv.core.step.StepOutcome`
@@ -21,6 +32,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
+from akv.core.block_key import chain_keys_raw, chain_suffix
 from akv.core.step import StepOutcome, StepRequest, empty_metadata
 from akv.errors import DuplicateSequence, UnknownSequence
 
@@ -53,14 +65,60 @@ class ShardMap:
         except KeyError:
             raise UnknownSequence(seq_id) from None
 
+    def affine_shard(self, namespace: Hashable, prompt: np.ndarray) -> int | None:
+        """The shard a prompt's first full block belongs to, or None for a prompt shorter than a block.
+
+        Args:
+            namespace: The prompt's namespace (a plain value, :mod:`akv.core.ids`).
+            prompt: Token ids, int32 ``(n,)``.
+
+        Returns:
+            The first 8 bytes of the first block's content key (big-endian)
+            modulo the number of shards; the same in every process.
+        """
+        bs = self._block_size
+        if len(prompt) < bs:
+            return None
+        raw = prompt[:bs].astype("<i4", copy=False).tobytes()
+        key = chain_keys_raw(raw, bs, chain_suffix(namespace))[0]
+        return int.from_bytes(key[:8], "big") % len(self._num_blocks)
+
+    def place(
+        self,
+        namespace: Hashable,
+        prompt: np.ndarray,
+        num_blocks: int,
+        free_fraction: Sequence[float],
+        num_available: Sequence[int],
+    ) -> int:
+        """The shard an admission goes to (see the module docstring, "Place").
+
+        Args:
+            namespace: The prompt's namespace.
+            prompt: Token ids, int32 ``(n,)``.
+            num_blocks: Blocks the admission needs at most (prompt plus reservation).
+            free_fraction: Unreserved free fraction of each shard, by shard index.
+            num_available: Unreserved free plus cached blocks of each shard.
+
+        Returns:
+            The affine shard if it can hold ``num_blocks``, else the shard with
+            the largest free fraction (ties: the lowest index).
+        """
+        shard = self.affine_shard(namespace, prompt)
+        if shard is None or num_available[shard] < num_blocks:
+            shard = max(range(len(free_fraction)), key=free_fraction.__getitem__)
+        return shard
+
     def split(
-        self, request: StepRequest, num_free: Sequence[int]
+        self, request: StepRequest, num_free: Sequence[int], num_available: Sequence[int] | None = None
     ) -> tuple[list[tuple[int, StepRequest]], dict[Hashable, int]]:
         """Split a validated step into one part per shard it touches (all checks before any part is sent).
 
         Args:
             request: The whole step.
             num_free: Unreserved free blocks of each shard now, by shard index.
+            num_available: Unreserved free plus cached blocks of each shard
+                now (default: ``num_free``, no block cached).
 
         Returns:
             ``(parts, children)``: ``(shard index, StepRequest)`` pairs in shard
@@ -98,23 +156,33 @@ class ShardMap:
         for seq_id, tokens in request.appends.items():
             shard = children[seq_id] if seq_id in children else self.owner(seq_id)
             part(shard)["appends"][seq_id] = tokens
-        self._place(request, num_free, freed, children, part)
+        self._place(request, num_free, num_free if num_available is None else num_available, freed, children, part)
         subs = [(shard, StepRequest(**parts[shard], want_metadata=request.want_metadata)) for shard in sorted(parts)]
         return subs, children
 
-    def _place(self, request: StepRequest, num_free: Sequence[int], freed: set, children: dict, part) -> None:
-        """Put each admission on the shard with the largest free fraction left (see :meth:`split`)."""
-        owner = self._owner
+    def _place(
+        self,
+        request: StepRequest,
+        num_free: Sequence[int],
+        num_available: Sequence[int],
+        freed: set,
+        children: dict,
+        part,
+    ) -> None:
+        """Place each admission (:meth:`place`), less what the step's earlier admissions take (see :meth:`split`)."""
+        owner, bs = self._owner, self._block_size
         free_now = [n / total for n, total in zip(num_free, self._num_blocks, strict=True)]
+        available = list(num_available)
         admitted: set[Hashable] = set()
         for adm in request.admits:
             if (adm.seq_id in owner and adm.seq_id not in freed) or adm.seq_id in children or adm.seq_id in admitted:
                 raise DuplicateSequence(adm.seq_id)
             admitted.add(adm.seq_id)
-            shard = max(range(len(free_now)), key=lambda i: free_now[i])
-            free_now[shard] -= (len(adm.prompt) + (adm.max_new_tokens or 0)) / (
-                self._block_size * self._num_blocks[shard]
-            )
+            num_tokens = len(adm.prompt) + (adm.max_new_tokens or 0)
+            need = -(-num_tokens // bs)
+            shard = self.place(adm.namespace, adm.prompt, need, free_now, available)
+            free_now[shard] -= num_tokens / (bs * self._num_blocks[shard])
+            available[shard] -= need
             part(shard)["admits"].append(adm)
 
     def record(self, outcomes: Sequence[tuple[int, StepOutcome]], children: dict[Hashable, int]) -> None:

@@ -189,20 +189,22 @@ class PrefixModel:
         return [self.cache[self.key(shard, namespace, tokens, j)] for j in range(1, hits + 1)]
 
     def observe_lookup(self, namespace: Hashable, tokens: Sequence[int], limit: int, hits: int, shards: int) -> None:
-        """Check a lookup's ``hits`` (the best shard's) against every shard's bounds.
+        """Check a lookup's ``hits`` against the bounds of the shards it may have asked.
+
+        A lookup asks one shard, the one an admission of ``tokens`` would be
+        placed on (akv's choice, not predicted here): ``hits`` must lie within
+        some shard's bounds. When exactly one shard's bounds allow it, that
+        shard was asked, and a hit short of its possible one means it lacks
+        entry ``hits + 1``.
 
         Raises:
-            AssertionError: ``hits`` is below some shard's certain hit or above every shard's possible one.
+            AssertionError: ``hits`` is outside every shard's bounds.
         """
         per_shard = [self.bounds(s, namespace, tokens, limit) for s in range(shards)]
-        certain = max(c for c, _ in per_shard)
-        possible = max(p for _, p in per_shard)
-        assert certain <= hits <= possible, (
-            f"lookup ns {namespace!r} {list(tokens)}: {hits} blocks; the model allows {certain}..{possible}"
-        )
-        for s, (_, p) in enumerate(per_shard):
-            if hits < p:  # the best shard has fewer: this shard lacks entry hits + 1
-                self.forget(self.key(s, namespace, tokens, hits + 1))
+        asked = [s for s, (c, p) in enumerate(per_shard) if c <= hits <= p]
+        assert asked, f"lookup ns {namespace!r} {list(tokens)}: {hits} blocks; the shards allow {per_shard}"
+        if len(asked) == 1 and hits < per_shard[asked[0]][1]:
+            self.forget(self.key(asked[0], namespace, tokens, hits + 1))
 
     # ---------------------------------------------------------------- publishing
     def own_run(self, seq: ModelSequence) -> int:
