@@ -59,6 +59,16 @@ def _bool_field(owner: object, field: str) -> None:
         raise InvalidInput(f"{field} must be a bool, got {describe(value)}")
 
 
+def _events_window(owner: object) -> None:
+    """Check ``owner.events_window`` is an exact int (numpy ints made int) in ``[0, MAX_NUM_BLOCKS]``."""
+    value = owner.events_window
+    if type(value) in NUMPY_INTEGER_TYPES:
+        value = int(value)
+        object.__setattr__(owner, "events_window", value)
+    if type(value) is not int or not 0 <= value <= MAX_NUM_BLOCKS:
+        raise InvalidInput(f"events_window must be an int in [0, {MAX_NUM_BLOCKS:,}] (batches), got {describe(value)}")
+
+
 def _str_field(owner: object, field: str, allowed: Any) -> str:
     """Check ``owner.field`` is an exact str in ``allowed`` (compared only once it is a str)."""
     value = getattr(owner, field)
@@ -194,6 +204,12 @@ class KVCacheConfig:
             conversation trace it beats LRU by 0.8-0.9 points of hit rate
             (+19 % relative at the tight pool) at LRU's O(1) cost
             (docs/benchmarks.md, "Eviction quality").
+        enable_events: Turn every change to the set of cached keys into cache
+            events (vLLM's ``enable_kv_cache_events``): each shard keeps a
+            key index, and ``subscribe_events`` / ``cached_keys`` work (see
+            docs/events.md). Off by default: the step path then pays nothing.
+        events_window: Event batches kept for ``subscribe_events(since=...)``
+            resumption (0 keeps none).
 
     Types are exact: counts are ``int`` (numpy integers are made ``int``) in
     ``[1, limit]`` (:data:`MAX_NUM_BLOCKS` for ``num_blocks``,
@@ -226,6 +242,8 @@ class KVCacheConfig:
     inbox_capacity: int = 1024
     debug_invariants: bool = False
     eviction_policy: str = DEFAULT_EVICTION_POLICY
+    enable_events: bool = False
+    events_window: int = 1024
 
     def __post_init__(self) -> None:
         limits = {
@@ -243,6 +261,8 @@ class KVCacheConfig:
             raise InvalidInput(f"num_shards ({self.num_shards}) exceeds num_blocks ({self.num_blocks})")
         _bool_field(self, "enable_prefix_cache")
         _bool_field(self, "debug_invariants")
+        _bool_field(self, "enable_events")
+        _events_window(self)
         _str_field(self, "storage", ("tensors", "none"))
         if type(self.eviction_policy) is not str or self.eviction_policy not in EVICTION_POLICIES:
             raise InvalidInput(

@@ -44,6 +44,7 @@ from akv.errors import (
     ManagerClosed,
     WrongTask,
 )
+from akv.manager_events import ManagerEvents
 from akv.manager_input import step_attributes, step_request
 from akv.manager_nesting import check_exit_order, entered
 from akv.manager_queries import ManagerQueries
@@ -60,7 +61,7 @@ __all__ = ["Admit", "KVCacheManager"]
 _BACKGROUND = ("eviction_loop", "stream_worker")
 
 
-class KVCacheManager(SequenceCalls, ManagerQueries):
+class KVCacheManager(SequenceCalls, ManagerQueries, ManagerEvents):
     """Paged KV cache manager run by asyncio actors (anyio).
 
     Use it as an async context manager; it starts its actors (prefix tree,
@@ -149,6 +150,7 @@ class KVCacheManager(SequenceCalls, ManagerQueries):
                     tracer=self._tracer,
                 )
             )
+        self._start_events()
         self._actors: list[Actor] = [*self._shards]
         for actor in self._actors:
             actor.on_crash = self._on_crash
@@ -219,6 +221,7 @@ class KVCacheManager(SequenceCalls, ManagerQueries):
                 shard.close()
             for shard in self._shards:
                 await self._stopped[shard.name].wait()
+            self._stop_events()
             self._executor.close(drain=self._failure is None)
             for name in _BACKGROUND:
                 await self._stopped[name].wait()

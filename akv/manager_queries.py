@@ -121,10 +121,11 @@ class ManagerQueries:
             return await self._ask(self._shards[0], Evict(want)) if want else 0
         evicted = 0
         async with self._sharded_lock:  # not between a sharded step's validation and its application
-            for shard in self._shards:
-                if evicted >= want:
-                    break
-                evicted += await self._ask(shard, Evict(want - evicted))
+            with self._events_batch():  # one event batch for every shard's evictions
+                for shard in self._shards:
+                    if evicted >= want:
+                        break
+                    evicted += await self._ask(shard, Evict(want - evicted))
         return evicted
 
     async def block_info(self, block_id: int) -> BlockInfo:

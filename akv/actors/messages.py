@@ -105,6 +105,21 @@ class Evict:
 
 
 @dataclass(frozen=True, slots=True)
+class Retire:
+    """Retire the prefix cache of ``namespace`` (``cache_reset.ALL_NAMESPACES``: all); reply ``(retired, freed)``.
+
+    ``event`` says what the shard's cache events say (with events on):
+    ``"removed"`` a ``BlockRemoved`` per retired key; ``"cleared"`` one
+    ``AllBlocksCleared`` (only when every shard retires all, in one batch
+    with no other change between the shards' parts); ``"silent"`` nothing
+    (the other shards of such a batch: the first one's event covers them).
+    """
+
+    namespace: Hashable
+    event: str = "removed"
+
+
+@dataclass(frozen=True, slots=True)
 class Lookup:
     """Reply the number of leading full blocks of ``prompt`` (int32 ``(n,)``) cached now; no side effects."""
 

@@ -36,15 +36,17 @@ from typing import Any
 
 import anyio
 
-from akv.actors.messages import Check, Evict, Inspect, InspectBlock, Lookup, Room, Stats, Step
+from akv.actors.messages import Check, Evict, Inspect, InspectBlock, Lookup, Retire, Room, Stats, Step
 from akv.actors.runtime import Actor
 from akv.actors.shard_snapshot import ShardSnapshot, take_snapshot
 from akv.core.block_key import chain_keys_raw, chain_suffix
 from akv.core.block_pool import STATE_NAMES
+from akv.core.cache_reset import ALL_NAMESPACES, retire_blocks
 from akv.core.reservation import row_reserved
 from akv.core.shard_state import ShardState
 from akv.core.step import StepOutcome, StepRequest
 from akv.errors import AkvError, InvalidInput, PoolExhausted
+from akv.events.shard_events import EventSink, ShardEvents
 from akv.obs.tracing import AkvTracer
 from akv.results import BlockInfo
 from akv.storage.copy_ticket import loop_scheduler
@@ -134,6 +136,9 @@ class PoolShardActor(Actor):
         self._room_hint = False  # the message being served freed sequences or evicted blocks
         self._thread_id = threading.get_ident()  # the event loop's thread
         self._schedule: Callable[[Callable[[], object]], object] | None = None
+        #: Cache events of the shard (``KVCacheConfig.enable_events``; set by the manager) and their sink.
+        self.events: ShardEvents | None = None
+        self.sink: EventSink | None = None
 
     @property
     def num_free(self) -> int:
@@ -202,8 +207,15 @@ class PoolShardActor(Actor):
             else:
                 self._vote(msg)
         elif isinstance(msg, Evict):
-            result = self.state.evict(msg.max_blocks)
+            if self.events is None:
+                result = self.state.evict(msg.max_blocks)
+            else:
+                out = StepOutcome()
+                result = self.state.evict(msg.max_blocks, out)
+                self.sink.emit(self.events.changed(out.removed_block_ids, []))
             self._room_hint = result > 0
+        elif isinstance(msg, Retire):
+            result = self._retire(msg)
         elif isinstance(msg, Room):
             result = self.state.room(msg.seq_id, msg.num_tokens)
         elif isinstance(msg, Lookup):
@@ -231,7 +243,18 @@ class PoolShardActor(Actor):
         else:
             vote.accept(msg.part, self, msg)
         if vote.complete:
-            vote.finish(self)
+            with self.sink.batch() if self.sink is not None else contextlib.nullcontext():
+                vote.finish(self)
+
+    def _retire(self, msg: Retire) -> tuple[int, int]:
+        """Retire the prefix cache (all of it, or one namespace): ``(blocks retired, blocks freed now)``."""
+        retired, freed = retire_blocks(self.state, msg.namespace)
+        if self.events is not None:
+            self.sink.emit(self.events.retired(retired, msg.event))
+        self._room_hint = freed > 0
+        everything = msg.namespace is ALL_NAMESPACES
+        self.log.info("prefix_cache.retired", blocks=len(retired), freed_blocks=freed, all_namespaces=everything)
+        return len(retired), freed
 
     def apply_step(self, msg: Step, *, publish: bool) -> tuple[StepOutcome, Any]:
         """Apply ``msg.request`` to the shard: the outcome and the copy ticket (or None).
@@ -253,6 +276,8 @@ class PoolShardActor(Actor):
             allocated = self.state.counters.blocks_allocated
             outcome: StepOutcome = self.state.step(msg.request)
             ticket = self._submit_copies(outcome) if outcome.copies else None
+            if self.events is not None:
+                self.sink.emit(self.events.step_events(outcome))
             if span.is_recording():
                 span.set_attributes(
                     {

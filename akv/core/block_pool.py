@@ -241,6 +241,29 @@ class BlockPool(BlockRefs):
         ids = block_ids if isinstance(block_ids, np.ndarray) else np.fromiter(block_ids, dtype=np.intp)
         self._published[ids.astype(np.intp) - self.first_block_id] = True
 
+    def unpublish(self, block_ids: list[int]) -> int:
+        """Blocks left the prefix cache without an eviction (a reset): cached ones are freed now, others on release.
+
+        A referenced block stays valid for its holders and is freed, not
+        cached, when its last reference goes; so is a copy source a pin holds.
+
+        Args:
+            block_ids: Published blocks of this pool, distinct.
+
+        Returns:
+            Blocks freed now (those that were cached).
+        """
+        if not block_ids:
+            return 0
+        idx = np.array(block_ids, dtype=np.intp) - self.first_block_id
+        cached = [int(b) for b, s in zip(block_ids, self._state[idx].tolist()) if s == CACHED]
+        if cached:
+            self.incref(cached, distinct=True)  # out of the eviction order
+        self._published[idx] = False
+        if cached:
+            self.decref(cached, distinct=True)  # unpublished at refcount 0: free
+        return len(cached)
+
     def pin_for_copy(self, block_ids: Iterable[int]) -> None:
         """Keep blocks alive as sources of a pending copy (they must be referenced now)."""
         pins = self._copy_pins

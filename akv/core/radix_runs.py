@@ -13,7 +13,7 @@ mutations in :mod:`akv.core.radix_tree`.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 
 import numpy as np
 
@@ -224,6 +224,44 @@ class RunQueries:
         namespace, runs = self._runs(block_id)
         w = self._width
         return namespace, b"".join(bytes(node.tokens[: taken * w]) for node, taken in reversed(runs))
+
+    def parent_of(self, block_id: int) -> tuple[int | None, Hashable]:
+        """``block_id``'s parent block and, for a chain's first block, its namespace. O(1).
+
+        Returns:
+            ``(parent block id, None)``, or ``(None, namespace)`` for the first
+            block of a chain (its parent is the namespace's root).
+
+        Raises:
+            KeyError: ``block_id`` is not in the tree.
+        """
+        node, pos = self._place(None, block_id, create=False)
+        if node is None:
+            raise KeyError(block_id)
+        if pos:
+            return node.blocks[pos - 1], None
+        parent = node.parent
+        return (parent.blocks[-1], None) if parent.parent is not None else (None, parent.namespace)
+
+    def removal_order(self, namespaces: Iterable[Hashable] | None = None) -> list[int]:
+        """The blocks under ``namespaces`` (every namespace: None), each after all of its descendants. O(blocks).
+
+        What :meth:`~akv.core.radix_tree.RadixTree.remove_leaves` takes to
+        remove whole subtrees (each block is a leaf when its turn comes).
+        """
+        roots = self._roots
+        spaces = list(roots) if namespaces is None else [ns for ns in namespaces if ns in roots]
+        out: list[int] = []
+        for ns in spaces:
+            stack = [(roots[ns], False)]
+            while stack:
+                node, expanded = stack.pop()
+                if expanded:
+                    out.extend(reversed(node.blocks))
+                    continue
+                stack.append((node, True))
+                stack.extend((child, False) for child in node.children.values())
+        return out
 
     def check(self) -> None:
         """Consistency check: runs, children keys, parents, the per-block arrays and the size agree. O(blocks).

@@ -245,13 +245,17 @@ class ShardState(ShardChecks, ShardPublishing, ShardAppends, ShardRoom, ShardAdm
             tables.cow_reserved[earmarks] = True
             self.num_reserved += len(earmarks)
 
-    def evict(self, max_blocks: int) -> int:
+    def evict(self, max_blocks: int, out: StepOutcome | None = None) -> int:
         """Evict up to ``max_blocks`` cached blocks, in the eviction policy's order (leaves only).
+
+        Args:
+            max_blocks: Most blocks to evict.
+            out: Where to record the removed blocks (``removed_block_ids``), if given.
 
         Returns:
             Blocks evicted (removed from the prefix cache, now free).
         """
-        return self._evict(max_blocks, frozenset())
+        return self._evict(max_blocks, frozenset(), out)
 
     def release_copy_pins(self, block_ids: list[int]) -> None:
         """A copy batch finished: its source and destination blocks may become cached or free."""

@@ -80,6 +80,10 @@ class KeyIndex:
             raise InvalidInput(f"block {describe(block_id)} is not in the key index")
         return self._keys[block_id - self.first_block_id].tobytes()
 
+    def namespace(self, block_id: int) -> Hashable:
+        """The namespace of a stored block (``None`` for one not stored). O(1)."""
+        return self._namespaces[block_id - self.first_block_id]
+
     def _offsets(self, block_ids: Any, what: str) -> tuple[list[int], list[int]]:
         """``(block ids, offsets)`` of ``block_ids``: a list or tuple of ints, or a 1-D integer array, of this shard, distinct."""
         ids = None

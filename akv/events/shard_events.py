@@ -1,0 +1,152 @@
+"""A shard's cache events: its block-id changes (a step's, an eviction's, a reset's) turned into keyed events.
+
+:class:`ShardEvents` owns one shard's :class:`~akv.events.key_index.KeyIndex`
+and reads the shard's tree and block tokens to key the blocks a change
+stored. The pool shard actor calls it after each message that changed the
+set of cached keys and hands the events to the manager's event sink
+(:class:`EventSink`), which numbers them as one batch per step or
+background action (:class:`~akv.events.hub.EventHub`).
+
+Order inside a shard's part of a batch: removals first, then stores. A step
+can evict a block and reuse it for a block it publishes in the same step, and
+a block published in a step is referenced, so the same step cannot evict it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .hub import EventHub
+from .key_index import KeyIndex
+from .types import AllBlocksCleared, CachedKey
+
+if TYPE_CHECKING:
+    from akv.core.shard_state import ShardState
+    from akv.core.step import StepOutcome
+
+__all__ = ["EventSink", "ShardEvents"]
+
+
+class ShardEvents:
+    """Keys and events of one shard's prefix cache, medium ``"device"``.
+
+    Args:
+        state: The shard (read: its tree and block tokens; never changed).
+        medium: The tier its blocks are in.
+    """
+
+    __slots__ = ("keys", "medium", "state")
+
+    def __init__(self, state: ShardState, *, medium: str = "device") -> None:
+        self.state = state
+        self.medium = medium
+        pool = state.pool
+        #: The shard's cached blocks' keys, by block id (mirrors its tree).
+        self.keys = KeyIndex(pool.num_blocks, state.block_size, first_block_id=pool.first_block_id)
+
+    def changed(self, removed_block_ids: list[int], stored_block_ids: list[int]) -> list:
+        """The events of blocks that left the tree, then of blocks that entered it (in insertion order).
+
+        O(blocks) (one key hash per stored block).
+
+        Args:
+            removed_block_ids: Blocks removed from the tree (indexed before), distinct.
+            stored_block_ids: Blocks inserted in the tree since, each after its parent.
+
+        Returns:
+            ``BlockRemoved`` then ``BlockStored`` events (empty when nothing changed).
+        """
+        events: list = []
+        if removed_block_ids:
+            events += self.keys.removed_events(removed_block_ids, medium=self.medium)
+        if stored_block_ids:
+            events += self._stored(stored_block_ids)
+        return events
+
+    def step_events(self, outcome: StepOutcome) -> list:
+        """:meth:`changed` for one step's :class:`~akv.core.step.StepOutcome`."""
+        return self.changed(outcome.removed_block_ids, outcome.stored_block_ids)
+
+    def _stored(self, block_ids: list[int]) -> list:
+        """``BlockStored`` events of blocks now in the tree: parents and namespaces read from it. O(blocks)."""
+        state = self.state
+        parent_of, first = state.tree.parent_of, state.pool.first_block_id
+        indexed = self.keys.namespace
+        parents: list[int | None] = []
+        namespaces: list = []
+        earlier: dict[int, object] = {}  # block -> namespace, for this call's blocks
+        for b in block_ids:
+            parent, root_ns = parent_of(b)
+            if parent is None:
+                ns = root_ns[1]  # tree namespaces are (shard index, namespace)
+            elif parent in earlier:
+                ns = earlier[parent]
+            else:
+                ns = indexed(parent)
+            parents.append(parent)
+            namespaces.append(ns)
+            earlier[b] = ns
+        rows = state.block_tokens[np.asarray(block_ids, dtype=np.intp) - first]
+        return self.keys.stored_events(block_ids, parents, rows, namespaces, medium=self.medium)
+
+    def retired(self, block_ids: list[int], event: str) -> list:
+        """Forget the retired blocks; their events (see :class:`~akv.actors.messages.Retire`).
+
+        Args:
+            block_ids: The blocks that left the tree.
+            event: ``"removed"``: a ``BlockRemoved`` per key; ``"cleared"``:
+                ``AllBlocksCleared`` (every block was retired); ``"silent"``: none.
+        """
+        if event == "removed":
+            return self.keys.removed_events(block_ids, medium=self.medium) if block_ids else []
+        self.keys.removed(block_ids)
+        return [AllBlocksCleared()] if event == "cleared" else []
+
+    def cached_keys(self) -> list[CachedKey]:
+        """Every key the shard holds now, with its parent, namespace and medium."""
+        return self.keys.cached_keys(self.medium)
+
+
+class EventSink:
+    """Collects the shards' events into batches and publishes them through one :class:`EventHub`.
+
+    Outside a :meth:`batch` block, each shard message's events are published
+    at once as one batch; inside, everything emitted until the outermost block
+    ends is one batch (a multi-shard step, a reset or eviction over every
+    shard), in the order it was emitted. Single-owner (the event loop's thread).
+
+    Args:
+        hub: The manager's hub.
+    """
+
+    __slots__ = ("_depth", "_pending", "hub")
+
+    def __init__(self, hub: EventHub) -> None:
+        self.hub = hub
+        self._depth = 0
+        self._pending: list = []
+
+    def emit(self, events: list) -> None:
+        """Publish ``events`` (or add them to the open batch); nothing for no events."""
+        if not events:
+            return
+        if self._depth:
+            self._pending += events
+        elif not self.hub.closed:
+            self.hub.publish(events)
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Make everything emitted inside one batch (nests; the outermost block publishes)."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if not self._depth and self._pending:
+                events, self._pending = self._pending, []
+                self.emit(events)
