@@ -28,7 +28,7 @@ from akv.routing import CacheAwareRouter
 
 BLOCK_SIZE = 4
 # Prompts from a few shared prefixes, so prompts hit, share and diverge.
-STEMS = [list(range(1, 13)), list(range(1, 9)) + [50, 51, 52, 53], [7] * 12]
+STEMS = [list(range(1, 13)), [*range(1, 9), 50, 51, 52, 53], [7] * 12]
 
 
 def _prompt(stem: int, tail: list[int]) -> np.ndarray:
