@@ -112,6 +112,11 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--seed", type=int_range(0, (1 << 64) - 1), default=0, help="seed of the synthesized token ids (default 0)"
     )
     rp.add_argument("--json", type=output_path, dest="json_path", help="write the report as JSON to this path")
+    rp.add_argument(
+        "--events-out",
+        type=output_path,
+        help="write the cache event batches as JSON lines to this path (turns events on; see docs/events.md)",
+    )
     _add_logging_options(rp)
     rp.add_argument("--no-progress", action="store_true", help="no progress bar")
     rp.add_argument(
@@ -161,6 +166,7 @@ def _replay_config(args: argparse.Namespace) -> KVCacheConfig:
         storage="none" if storage == "none" else "tensors",
         device=storage if storage != "none" else "cpu",
         num_shards=args.shards,
+        enable_events=args.events_out is not None,
     )
 
 
@@ -242,6 +248,7 @@ def main_replay(args: argparse.Namespace) -> int:
     """
     from akv.manager import KVCacheManager
     from akv.replay import ReplayOptions, replay
+    from akv.replay.events_out import replay_with_events
     from akv.replay.report import progress_bar
     from akv.trace import default_trace_path, read_trace
 
@@ -262,7 +269,12 @@ def main_replay(args: argparse.Namespace) -> int:
     async def run() -> object:
         async with kv:
             with progress_bar(len(requests), enabled=not args.no_progress) as progress:
-                return await replay(kv, requests, options, progress=progress)
+                if args.events_out is None:
+                    return await replay(kv, requests, options, progress=progress)
+                report, report.final_cached_blocks, _ = await replay_with_events(
+                    kv, lambda: replay(kv, requests, options, progress=progress), args.events_out
+                )
+                return report
 
     with _serve_metrics(kv, args):
         report = anyio.run(run)

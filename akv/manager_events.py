@@ -69,6 +69,17 @@ class ManagerEvents:
         """Sequence number of the latest event batch (0 before the first, and with events off)."""
         return self._sink.hub.log.last_seq if self._sink is not None else 0
 
+    async def stop_eviction_loop(self) -> None:
+        """Stop the background eviction loop for good and wait until it has ended.
+
+        For a final snapshot of the cache (``akv replay --events-out``): after
+        it only calls change the cache. Evictions on demand inside steps and
+        ``evict()`` still work.
+        """
+        self._check_running()
+        self._eviction.stop()
+        await self._stopped["eviction_loop"].wait()
+
     def subscribe_events(self, since: int | None = None, buffer: int = DEFAULT_BUFFER) -> Subscription:
         """Subscribe to the cache event batches (an async iterator; see docs/events.md).
 

@@ -108,10 +108,14 @@ class ReplayReport:
     #: Samples of (simulated_s, blocks per state, hit rate, evictions, preemptions),
     #: when ``ReplayOptions.timeline_every_steps`` is set.
     timeline: list = field(default_factory=list)
+    #: Blocks in the prefix cache per medium at the end (``--events-out`` only, else None).
+    final_cached_blocks: dict | None = None
 
     def as_json(self) -> dict:
         """The report as JSON-ready data (without the per-request list and the timeline)."""
         out = {f: getattr(self, f) for f in self.__slots__ if f not in ("cached_tokens_per_request", "timeline")}
+        if self.final_cached_blocks is None:
+            del out["final_cached_blocks"]
         return out
 
 
