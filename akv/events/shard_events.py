@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from akv.errors import InvalidInput
+
 from .hub import EventHub
 from .key_index import KeyIndex
 from .types import AllBlocksCleared, CachedKey
@@ -59,12 +61,19 @@ class ShardEvents:
 
         Returns:
             ``BlockRemoved`` then ``BlockStored`` events (empty when nothing changed).
+
+        Raises:
+            RuntimeError: The key index disagrees with the tree (an akv bug;
+                it crashes the shard's actor).
         """
         events: list = []
-        if removed_block_ids:
-            events += self.keys.removed_events(removed_block_ids, medium=self.medium)
-        if stored_block_ids:
-            events += self._stored(stored_block_ids)
+        try:
+            if removed_block_ids:
+                events += self.keys.removed_events(removed_block_ids, medium=self.medium)
+            if stored_block_ids:
+                events += self._stored(stored_block_ids)
+        except InvalidInput as exc:  # akv's own bug, not the caller's: the actor must crash, not reply an error
+            raise RuntimeError(f"shard {self.state.shard_index}: key index out of step with the tree: {exc}") from exc
         return events
 
     def step_events(self, outcome: StepOutcome) -> list:

@@ -87,6 +87,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", type=log_level, default="warning", help="console log level (default warning)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
+        "--events",
+        action="store_true",
+        help="turn cache events on and check them with a subscriber (consecutive numbers, removals of stored keys)",
+    )
+    parser.add_argument(
         "--inject-crash-after-s",
         type=float_range(0.0, 86_400.0),
         default=None,
@@ -162,6 +167,7 @@ def options_from_args(args: argparse.Namespace) -> StressOptions:
         fault=args.fault,
         fault_after_s=1.0 if args.fault_after_s is None else args.fault_after_s,
         fault_after_programs=args.fault_after_programs,
+        events=args.events,
     )
 
 

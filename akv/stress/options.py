@@ -47,6 +47,8 @@ class StressOptions:
         audits: Quiescent points during the run at which every block's
             refcount is recounted from the live block tables and the prefix
             cache is compared with the harness's record (plus one at the end).
+        events: Turn cache events on and check them with a subscriber
+            (:mod:`akv.stress.event_check`).
         fault: Fault to inject (:data:`FAULTS`), or ``None``.
         fault_after_s: Seconds into the run at which a timed fault fires.
         fault_after_programs: Programs started before a fault fires (takes
@@ -92,6 +94,7 @@ class StressOptions:
     fault: str | None = None
     fault_after_s: float = 1.0
     fault_after_programs: int | None = None
+    events: bool = False
 
     def __post_init__(self) -> None:
         for name in ("sequences", "block_size", "eviction_batch_blocks", "max_retries"):

@@ -26,6 +26,7 @@ for the leak figures, and a short run on a fresh manager must pass.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -37,6 +38,7 @@ from akv.config import MODEL_SHAPES, KVCacheConfig
 from akv.errors import ActorCrashed
 from akv.manager import KVCacheManager
 from akv.stress.audit import audit, postmortem
+from akv.stress.event_check import EventCheck
 from akv.stress.fault import FaultInjector
 from akv.stress.kv_io import quiesce
 from akv.stress.metrics import Metrics
@@ -60,6 +62,7 @@ def stress_config(options: StressOptions) -> KVCacheConfig:
         high_watermark=options.high_watermark,
         eviction_batch_blocks=options.eviction_batch_blocks,
         debug_invariants=True,
+        enable_events=options.events,
     )
 
 
@@ -96,6 +99,14 @@ async def _final_check(kv: KVCacheManager, out: Outcome, session: Session) -> No
     out.add_audit(await audit(kv, session.owned_ids(), session.record), "at the end")
 
 
+async def _finish_events(checker: EventCheck, out: Outcome) -> None:
+    """The event subscriber's last comparison; its findings become invariant violations."""
+    await checker.finish()
+    out.event_batches, out.event_resyncs = checker.batches, checker.resyncs
+    out.invariant_violations += len(checker.errors)
+    out.errors.extend(checker.errors)
+
+
 def _postmortem(kv: KVCacheManager, out: Outcome, session: Session) -> None:
     """Leak figures of a failed manager from the state it left behind (never ``None``)."""
     leaked_blocks, leaked_sequences, result = postmortem(kv, session.owned_ids())
@@ -123,23 +134,32 @@ async def run_manager(
     try:
         async with kv:
             s = Session(kv, options, metrics, out, log)
-            async with anyio.create_task_group() as tg:
-                kind = options.fault_kind
-                if inject and kind is not None:
-                    out.injector = FaultInjector(kv, kind, seed=options.seed, on_fire=s.on_fault)
-                    if options.fault_after_programs is None:
-                        tg.start_soon(out.injector.run_after, options.fault_delay_s)
-                tg.start_soon(s.monitor, start, progress)
-                deadline = anyio.current_time() + duration_s
-                with anyio.CancelScope() as workers:
-                    s.workers = workers
-                    async with anyio.create_task_group() as wg:
-                        for index in range(tasks):
-                            wg.start_soon(s.worker, index, deadline, name=f"akv.stress.task{index}")
-                tg.cancel_scope.cancel()
-            out.eviction_wakeups = kv._eviction.stats.wakeups  # no public counter for wake-ups yet
-            if metrics.manager_failed_at is None:
-                await _final_check(kv, out, s)
+            checker = EventCheck(kv) if options.events else None
+            # The subscriber's task group outlives tg's cancellation: it reads to the end.
+            async with anyio.create_task_group() if checker is not None else contextlib.nullcontext() as events_tg:
+                if checker is not None:
+                    events_tg.start_soon(checker.run)
+                async with anyio.create_task_group() as tg:
+                    kind = options.fault_kind
+                    if inject and kind is not None:
+                        out.injector = FaultInjector(kv, kind, seed=options.seed, on_fire=s.on_fault)
+                        if options.fault_after_programs is None:
+                            tg.start_soon(out.injector.run_after, options.fault_delay_s)
+                    tg.start_soon(s.monitor, start, progress)
+                    deadline = anyio.current_time() + duration_s
+                    with anyio.CancelScope() as workers:
+                        s.workers = workers
+                        async with anyio.create_task_group() as wg:
+                            for index in range(tasks):
+                                wg.start_soon(s.worker, index, deadline, name=f"akv.stress.task{index}")
+                    tg.cancel_scope.cancel()
+                out.eviction_wakeups = kv._eviction.stats.wakeups  # no public counter for wake-ups yet
+                if metrics.manager_failed_at is None:
+                    await _final_check(kv, out, s)
+                    if checker is not None:
+                        await _finish_events(checker, out)
+                if checker is not None:
+                    checker.sub.close()  # ends checker.run
     except ActorCrashed as exc:
         out.aexit_raised = True
         if out.injector is None or out.injector.fired_at is None:

@@ -61,6 +61,8 @@ class Outcome:
     audits: int = 0
     audit_violations: int = 0
     probe_errors: list[str] = dataclasses.field(default_factory=list)
+    event_batches: int = 0  # checked by the event subscriber (StressOptions.events)
+    event_resyncs: int = 0
     # fault injection
     injector: FaultInjector | None = None
     tasks_at_fault: int = 0
