@@ -100,6 +100,8 @@ class ShardEvents:
             namespaces.append(ns)
             earlier[b] = ns
         rows = state.block_tokens[np.asarray(block_ids, dtype=np.intp) - first]
+        if all(p is not None and p not in earlier for p in parents):  # one-block runs below cached blocks
+            return self.keys.stored_below(block_ids, parents, rows, namespaces, self.medium)
         return self.keys.stored_events(block_ids, parents, rows, namespaces, medium=self.medium)
 
     def retired(self, block_ids: list[int], event: str) -> list:

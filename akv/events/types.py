@@ -130,17 +130,17 @@ def stored_unchecked(
     whose tokens, namespaces and medium it checked: per decode step this saves
     about 2 µs a block (``stress/bench_events.py``). Never for outside input.
     """
-    event = object.__new__(BlockStored)
-    for name, value in (
-        ("block_hashes", block_hashes),
-        ("parent_block_hash", parent_block_hash),
-        ("token_ids", token_ids),
-        ("block_size", block_size),
-        ("medium", medium),
-        ("namespace", namespace),
-    ):
-        object.__setattr__(event, name, value)
+    event = _new(BlockStored)
+    _set(event, "block_hashes", block_hashes)
+    _set(event, "parent_block_hash", parent_block_hash)
+    _set(event, "token_ids", token_ids)
+    _set(event, "block_size", block_size)
+    _set(event, "medium", medium)
+    _set(event, "namespace", namespace)
     return event
+
+
+_new, _set = object.__new__, object.__setattr__  # frozen slots: the dataclass's own __setattr__ refuses
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
