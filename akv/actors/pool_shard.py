@@ -23,6 +23,10 @@ Tasks waiting for room (``KVCacheManager.wait_for_room``) wait on
 sequences, evicted blocks or raised the free plus evictable blocks, when a
 copy batch finishes (its pins may free blocks without any message reaching
 the shard), and when the actor stops.
+
+With cache events on (``KVCacheConfig.enable_events``) the step, ``Evict``
+and ``Retire`` handlers hand what they changed in the prefix cache to the
+manager's event sink before they return (:mod:`akv.events.shard_events`).
 """
 
 from __future__ import annotations
@@ -193,7 +197,7 @@ class PoolShardActor(Actor):
             self._room_event = None
 
     def handle(self, msg: Any) -> Any:
-        """Serve :class:`Step`, :class:`Evict`, :class:`Lookup`, :class:`Room`, :class:`Inspect`, :class:`InspectBlock`, :class:`Stats` or :class:`Check`.
+        """Serve :class:`Step`, :class:`Evict`, :class:`Retire`, :class:`Lookup`, :class:`Room`, :class:`Inspect`, :class:`InspectBlock`, :class:`Stats` or :class:`Check`.
 
         Synchronous (it never awaits), so the runtime may run it on an asking
         task when the shard is idle (see :mod:`akv.actors.runtime`). Publishes
