@@ -30,7 +30,7 @@ import numpy as np
 import structlog
 
 from akv.actors.eviction_loop import EvictionLoop
-from akv.actors.messages import Step, StepVote
+from akv.actors.messages import Step
 from akv.actors.pool_shard import PoolShardActor
 from akv.actors.runtime import Actor
 from akv.config import KVCacheConfig
@@ -47,6 +47,7 @@ from akv.errors import (
 from akv.manager_events import ManagerEvents
 from akv.manager_input import step_attributes, step_request
 from akv.manager_nesting import check_exit_order, entered
+from akv.manager_parts import apply_parts
 from akv.manager_queries import ManagerQueries
 from akv.manager_results import metrics_snapshot, step_result
 from akv.manager_sequences import SequenceCalls
@@ -399,20 +400,16 @@ class KVCacheManager(SequenceCalls, ManagerQueries, ManagerEvents):
         return await self._step_sharded(request)
 
     async def _step_sharded(self, request: StepRequest) -> StepResult:
-        """Split a step by shard and send each shard exactly one :class:`Step`; all parts apply or none.
+        """Split a step by shard and send each shard exactly one ``Step``; all parts apply or none.
 
-        A step touching one shard is one plain ``Step`` (validated and applied
-        by that shard). A step touching several sends each a ``Step`` sharing
-        one :class:`StepVote`: every shard validates its part and votes, the
-        last voter applies every part or, if any part was refused, none, and
-        that refusal is raised here. Multi-shard steps are serialized by a
-        lock, so no other step reaches a shard between its vote and the
+        :func:`~akv.manager_parts.apply_parts` sends the parts (one shard's
+        refusal applies nothing anywhere). Multi-shard steps are serialized
+        by a lock, so no other step reaches a shard between its vote and the
         decision. Acquiring the lock is the call's checkpoint (a cancellation
-        there applies nothing). If every shard the step touches can serve now
-        (``Actor.can_serve_now``), the parts are served on this task with no
-        await until the result is returned; otherwise they go through the
-        shards' inboxes inside a shielded scope, and a cancellation is
-        re-raised once the step is decided.
+        there applies nothing). If every shard the step touches can serve now,
+        the parts are served on this task with no await until the result is
+        returned; otherwise they go through the shards' inboxes inside a
+        shielded scope, and a cancellation is re-raised once the step is decided.
         """
         async with self._sharded_lock:
             snaps = [s.snapshot for s in self._shards]
@@ -421,29 +418,7 @@ class KVCacheManager(SequenceCalls, ManagerQueries, ManagerEvents):
             )
             context = self._tracer.context()
             self._check_running()
-            shards = self._shards
-            direct = all(shards[shard].can_serve_now for shard, _ in subs)
-            if len(subs) == 1:
-                shard, sub = subs[0]
-                msg = Step(sub, context)
-                if direct:
-                    replies = [(shard, shards[shard].serve(msg))]
-                else:
-                    with anyio.CancelScope(shield=True):
-                        replies = [(shard, await shards[shard].ask(msg))]
-            else:
-                vote = StepVote(len(subs))
-                msgs = [(shards[shard], Step(sub, context, vote, part)) for part, (shard, sub) in enumerate(subs)]
-                if direct:  # every part served on this task with no await in between: all or nothing
-                    for actor, msg in msgs:
-                        actor.serve(msg)
-                else:
-                    with anyio.CancelScope(shield=True):  # all shards' parts, or none
-                        for actor, msg in msgs:
-                            await actor.ask(msg)
-                if vote.error is not None:
-                    raise vote.error
-                replies = [(shard, vote.results[part]) for part, (shard, _) in enumerate(subs)]
+            replies, direct = await apply_parts(self._shards, subs, context)
             outcomes = [(shard, outcome) for shard, (outcome, _) in replies]
             tickets = [ticket for _, (_, ticket) in replies if ticket is not None]
             for ticket in tickets:

@@ -49,7 +49,7 @@ MUTANTS = (
         "a sequence's partial tail block is published with its full blocks",
         (
             (
-                SHARD,
+                "akv/core/publish.py",
                 "full = min(seq.num_computed // bs, len(seq.block_ids))",
                 "full = min(-(-seq.num_computed // bs), len(seq.block_ids))",
             ),
@@ -73,12 +73,17 @@ MUTANTS = (
     ),
     Mutant(
         "inner_node_evicted",
-        "the tree removes a block that still has children",
+        "the tree removes a block that is not a leaf (a run's inner block, or a last block with children)",
         (
             (
                 "akv/core/radix_tree.py",
-                "if not 0 <= block_id < n or nchild[block_id] != 0:",
-                "if not 0 <= block_id < n or nchild[block_id] < 0:",
+                "if node is None or node.children or top != len(node.blocks) - 1 or node.blocks[top] != top_block:",
+                "if node is None or node.blocks[top] != top_block:",
+            ),
+            (
+                "akv/core/radix_tree.py",
+                "if node is None or node.children or pos != len(node.blocks) - 1:",
+                "if node is None:",
             ),
         ),
     ),
@@ -98,7 +103,7 @@ MUTANTS = (
         "a decode step writes into a shared partial tail without copying it",
         (
             (
-                SHARD,
+                "akv/core/decode.py",
                 "if pool.refcount(tables.last_block(r)) > 1:\n                self._copy_on_write(ids[i], r, out)",
                 "if pool.refcount(tables.last_block(r)) > 99:\n                self._copy_on_write(ids[i], r, out)",
             ),
@@ -114,7 +119,7 @@ MUTANTS = (
         "blocks are published once their tokens are appended, before their K/V is committed",
         (
             (
-                SHARD,
+                "akv/core/publish.py",
                 "full = min(seq.num_computed // bs, len(seq.block_ids))",
                 "full = min(seq.num_tokens // bs, len(seq.block_ids))",
             ),
@@ -124,7 +129,7 @@ MUTANTS = (
         "copy_destination_not_pinned",
         "a copy-on-write destination can be handed out again before its copy ran",
         (
-            (SHARD, "pool.pin_for_copy((old, new))", "pool.pin_for_copy((old,))"),
+            ("akv/core/decode.py", "pool.pin_for_copy((old, new))", "pool.pin_for_copy((old,))"),
             (
                 "akv/actors/pool_shard.py",
                 "self._pinned.append((ticket, src + dst))",

@@ -103,6 +103,14 @@ class PoolShardActor(Actor):
         logger: structlog logger.
         copy_bytes: Histogram (``observe(bytes)``) of each submitted copy batch.
         tracer: :class:`~akv.obs.tracing.AkvTracer` (default: the global provider's).
+
+    Attributes:
+        snapshot: The :class:`~akv.actors.shard_snapshot.ShardSnapshot` of the
+            shard after the last message it served (one made at start): current
+            between messages, replaced (never changed) at the end of every
+            message and right after a voted step part is applied, so any task,
+            or the metrics scrape thread, may read it without a message.
+        index: The shard's index.
     """
 
     def __init__(

@@ -12,17 +12,19 @@ from akv.errors import InvalidTokens
 
 
 def _from_int_list(tokens: list | tuple, what: str) -> np.ndarray | None:
-    """int64 array of a list of ints in one C pass, or None to take the checking path.
+    """int32 array of a list of ints in one C pass, or None to take the checking path.
 
-    ``array.array("q", ...)`` takes exactly the objects with ``__index__``
+    ``array.array("i", ...)`` takes exactly the objects with ``__index__``
     (ints, bools, numpy and torch integer scalars) and raises on floats,
-    strings and None. Bools (an int subclass) can only have become 0 or 1,
-    so only those positions are looked at again. Measured on 576-token prompts: 20 us
-    against 30 for a type pass plus ``np.fromiter``.
+    strings, None and values outside int32 (which no vocabulary reaches).
+    Bools (an int subclass) can only have become 0 or 1, so only those
+    positions are looked at again. Measured on a 13.7 k-token prompt: 178 us
+    against 272 for ``array("q")`` (int64, then a conversion) and 140 for an
+    unchecked ``np.fromiter``, which truncates floats.
     """
     try:
-        arr = np.frombuffer(array.array("q", tokens), dtype=np.int64)
-    except Exception:  # anything an element's __index__ raises: the checking path words the error
+        arr = np.frombuffer(array.array("i", tokens), dtype=np.int32)
+    except Exception:  # anything an element's __index__ raises, or an overflow: the checking path words the error
         return None
     for i in np.flatnonzero(arr <= 1).tolist():
         if isinstance(tokens[i], (bool, np.bool_)):
@@ -61,12 +63,14 @@ def as_token_array(tokens, vocab_size: int, *, what: str = "tokens") -> np.ndarr
             ) from None
     if isinstance(tokens, np.ma.MaskedArray):  # its data under the mask is not the caller's tokens
         raise InvalidTokens(f"{what}: a numpy masked array is not accepted; pass the ids to use as a plain array")
+    fresh = False  # arr is an int32 array no caller can reach
     if isinstance(tokens, np.ndarray):
         arr = tokens
     else:
         arr = None
         if isinstance(tokens, (list, tuple)):
             arr = _from_int_list(tokens, what)
+            fresh = arr is not None
         if arr is None and isinstance(tokens, (list, tuple)):
             for i, t in enumerate(tokens):  # the first bad element, in order
                 try:
@@ -102,4 +106,4 @@ def as_token_array(tokens, vocab_size: int, *, what: str = "tokens") -> np.ndarr
     if lo < 0 or hi >= vocab_size:
         bad = int(np.flatnonzero((arr < 0) | (arr >= vocab_size))[0])
         raise InvalidTokens(f"{what}: token {bad} is {int(arr[bad])}, outside [0, {vocab_size})")
-    return np.array(arr, dtype=np.int32)
+    return arr if fresh else np.array(arr, dtype=np.int32)

@@ -165,7 +165,7 @@ async def _check_prefix_cache(kv: KVCacheManager, record: PublishRecord, result:
             result.note(f"lookup of a recorded prefix in {ns!r} hit {hit} tokens, not a recorded prefix")
         if hit == len(prefix):
             result.cached_prefixes += 1
-        else:
+        elif kv.config.num_shards == 1:  # with several, lookup asks one shard: another may still hold it
             record.discard(ns, prefix)
     stats = await kv.stats()
     extra = stats.prefix_cache_blocks - result.cached_prefixes
