@@ -229,3 +229,21 @@ async def test_events_off_refuses_subscriptions_and_resets_still_work():
         assert await kv.clear_prefix_cache() == 2
         assert kv.events_last_seq == 0
         await kv.check()
+
+
+@pytest.mark.anyio
+async def test_a_step_over_two_shards_is_one_batch() -> None:
+    cfg = KVCacheConfig(num_blocks=64, block_size=4, storage="none", num_shards=2, enable_events=True)
+    async with KVCacheManager(cfg) as kv:
+        prompts = {f"p{i}": np.arange(10 * i + 1, 10 * i + 10, dtype=np.int32) for i in range(8)}
+        await kv.step(admits=[Admit(seq_id=s, prompt=p) for s, p in prompts.items()], want_metadata=False)
+        shards = {s: (await kv.sequence(s)).shard for s in prompts}
+        assert set(shards.values()) == {0, 1}  # placement spread them
+        seq = kv.events_last_seq
+        sub = kv.subscribe_events(since=seq)
+        await kv.step(commits={s: 9 for s in prompts}, want_metadata=False)
+        assert kv.events_last_seq == seq + 1
+        batch = sub.receive_nowait()
+        assert sum(len(e.block_hashes) for e in batch.events) == 16  # 2 full blocks of each of 8 prompts
+        keys, as_of = await kv.cached_keys()
+        assert as_of == batch.seq and len(keys) == 16
