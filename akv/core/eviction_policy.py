@@ -21,7 +21,7 @@ eviction meets leaves first and the tree rarely refuses a victim.
 
 ``"lru"`` is served by :class:`~akv.core.block_pool.BlockPool` with an
 ``OrderedDict`` (O(1) per operation, the hot path); ``"slru"`` by a
-:class:`SegmentedOrder` (two insertion-ordered ``dict`` segments, O(1), the same order
+:class:`SegmentedOrder` (a FIFO per segment, O(1) amortized, the same order
 as its key); every other policy by a :class:`KeyedOrder`, a binary heap with
 lazy invalidation (O(log n)).
 
@@ -33,9 +33,10 @@ state that a per-block key cannot express.
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from itertools import chain, islice
+from itertools import chain
 
 import numpy as np
 
@@ -331,7 +332,7 @@ class KeyedOrder(HitCounts):
 
 
 class SegmentedOrder(HitCounts):
-    """Cached blocks in :func:`slru_key` order with O(1) operations: one insertion-ordered ``dict`` per segment.
+    """Cached blocks in :func:`slru_key` order with O(1) operations: one FIFO per segment.
 
     Probationary (never hit) blocks in release order, then protected (hit)
     blocks in release order, then the evict-last lane (blocks the prefix tree
@@ -340,118 +341,200 @@ class SegmentedOrder(HitCounts):
     exactly the key order, so no heap is needed. Offers the same operations
     as :class:`KeyedOrder`.
 
-    A plain ``dict`` rather than an ``OrderedDict``: entering and leaving cost
-    about 40 % less (no linked-list node per key). Taking from the front
-    iterates past the slots of keys deleted since the dict's last resize (a
-    C-level scan of at most its table size per :meth:`pop_first` call), and
-    putting blocks back at the front (:meth:`restore`, an aborted eviction)
-    rebuilds the segment, O(segment).
+    Each segment is a ``deque`` of entries ``tick << shift | offset`` with
+    lazy invalidation: ``_stamp[offset]`` holds the block's live entry (0
+    when the block is not in the order), so a hit only clears the stamp and
+    the entry goes stale where it lies; taking from the front pops stale
+    entries as it meets them, and the segments are rebuilt without them when
+    stale entries outnumber live ones. Entering, leaving and taking a block
+    are O(1) amortized, putting blocks back at the front O(blocks). (A
+    ``dict`` per segment, its former form, made taking from the front scan
+    the slots of keys deleted since its last resize: 57 us per 200-block call
+    on the conversation trace at 83,576 blocks.)
 
     Args:
         first_block_id: Lowest block id of the pool.
         num_blocks: Blocks in the pool.
     """
 
-    __slots__ = ("_deferred", "_probation", "_protected", "policy")
+    __slots__ = ("_lanes", "_mask", "_shift", "_size", "_stale", "_stamp", "_tick", "_tick_max", "policy")
 
     def __init__(self, first_block_id: int, num_blocks: int) -> None:
         self.policy = EVICTION_POLICIES["slru"]
         super().__init__(first_block_id, num_blocks)
-        self._probation: dict[int, None] = {}
-        self._protected: dict[int, None] = {}
-        self._deferred: dict[int, None] = {}
+        self._shift = max(1, (num_blocks - 1).bit_length())
+        self._mask = (1 << self._shift) - 1
+        #: int64 ``(num_blocks,)``: each block's live entry, 0 when it is not in the order.
+        self._stamp = np.zeros(num_blocks, dtype=np.int64)
+        #: Probationary, protected and deferred (evict-last) segments, oldest first.
+        self._lanes: tuple[deque[int], deque[int], deque[int]] = (deque(), deque(), deque())
+        self._tick = 1  # the next entry's tick; from 1, so no entry is 0
+        self._tick_max = (1 << (62 - self._shift)) - num_blocks  # then renumber (see _compact), so entries fit int64
+        self._size = 0
+        self._stale = 0
 
     def __len__(self) -> int:
-        return len(self._probation) + len(self._protected) + len(self._deferred)
-
-    def segments(self) -> tuple[dict[int, None], dict[int, None]]:
-        """The probationary and protected segments themselves (block id -> None, oldest first).
-
-        For :class:`~akv.core.block_pool.BlockPool`'s release loop, which puts
-        each released block at the tail of its segment (``hits[b - base]``
-        nonzero: protected) in the same pass that updates the block's state.
-        """
-        return self._probation, self._protected
+        return self._size
 
     def __contains__(self, block_id: int) -> bool:
-        return block_id in self._probation or block_id in self._protected or block_id in self._deferred
+        return bool(self._stamp[block_id - self.base])
 
     def __setitem__(self, block_id: int, _value: None) -> None:
         """``block_id`` entered the cache now: the tail of its segment."""
-        if self.hits[block_id - self.base]:
-            self._protected[block_id] = None
-        else:
-            self._probation[block_id] = None
+        self.extend([block_id])
 
     def extend(self, block_ids: list[int]) -> None:
-        """Blocks entered the cache now, in this order: each at the tail of its segment."""
-        base, hits, protected, probation = self.base, memoryview(self.hits), self._protected, self._probation
-        for b in block_ids:
-            if hits[b - base]:
-                protected[b] = None
-            else:
-                probation[b] = None
+        """Blocks entered the cache now, in this order: each at the tail of its segment.
+
+        Raises:
+            ValueError: A block is already in the order (it is left where it was, the
+                blocks before it entered).
+        """
+        if self._tick + len(block_ids) > self._tick_max:
+            self._compact()
+        base, shift, hits, stamp = self.base, self._shift, memoryview(self.hits), memoryview(self._stamp)
+        probation, protected = self._lanes[0].append, self._lanes[1].append
+        tick = self._tick
+        try:
+            for b in block_ids:
+                i = b - base
+                if stamp[i]:
+                    raise ValueError(f"block {b} is already in the eviction order")
+                e = tick << shift | i
+                tick += 1
+                stamp[i] = e
+                (protected if hits[i] else probation)(e)
+        finally:
+            self._size += tick - self._tick
+            self._tick = tick
+
+    def extend_offsets(self, offsets: np.ndarray) -> None:
+        """:meth:`extend` of block offsets (``block_id - base``, a distinct intp array), with numpy.
+
+        Raises:
+            ValueError: A block is already in the order (nothing is applied then).
+        """
+        if self._tick + len(offsets) > self._tick_max:
+            self._compact()
+        stamp = self._stamp
+        if stamp[offsets].any():
+            b = int(offsets[np.argmax(stamp[offsets] != 0)]) + self.base
+            raise ValueError(f"block {b} is already in the eviction order")
+        hit = self.hits[offsets] != 0
+        for lane, off in ((self._lanes[0], offsets[~hit]), (self._lanes[1], offsets[hit])):
+            if len(off):
+                entries = np.arange(self._tick, self._tick + len(off), dtype=np.int64) << self._shift | off
+                self._tick += len(off)
+                stamp[off] = entries
+                lane.extend(entries.tolist())
+        self._size += len(offsets)
 
     def __delitem__(self, block_id: int) -> None:
-        """``block_id`` left the cache (a hit took a reference)."""
-        for seg in (self._probation, self._protected, self._deferred):
-            if block_id in seg:
-                del seg[block_id]
-                return
-        raise KeyError(block_id)
+        """``block_id`` left the cache (a hit took a reference); its entry goes stale."""
+        i = block_id - self.base
+        if not self._stamp[i]:
+            raise KeyError(block_id)
+        self._stamp[i] = 0
+        self._size -= 1
+        self._stale += 1
+        if self._stale > self._size + 1024:
+            self._compact()
 
     def __iter__(self) -> Iterator[int]:
         """Block ids in eviction order."""
-        return chain(self._probation, self._protected, self._deferred)
+        base, mask, stamp = self.base, self._mask, self._stamp.tolist()
+        return ((e & mask) + base for e in chain(*self._lanes) if stamp[e & mask] == e)
 
     def pop_first(self, max_blocks: int, skip) -> list[int]:
         """Take up to ``max_blocks`` blocks from the evict-first end; blocks in ``skip`` keep their place."""
+        base, mask, stamp = self.base, self._mask, memoryview(self._stamp)
         out: list[int] = []
-        for seg in (self._probation, self._protected, self._deferred):
-            if len(out) >= max_blocks:
-                break
-            if not skip:
-                taken = list(islice(seg, max_blocks - len(out)))
-            else:
-                taken = []
-                for b in seg:
-                    if len(out) + len(taken) >= max_blocks:
-                        break
-                    if b not in skip:
-                        taken.append(b)
-            for b in taken:
-                del seg[b]
-            out.extend(taken)
+        take = out.append
+        stale = 0
+        for lane in self._lanes:
+            need = max_blocks - len(out)
+            kept: list[int] = []
+            popleft = lane.popleft
+            while need and lane:
+                e = popleft()
+                i = e & mask
+                if stamp[i] != e:
+                    stale += 1
+                elif skip and i + base in skip:
+                    kept.append(e)
+                else:
+                    stamp[i] = 0
+                    take(i + base)
+                    need -= 1
+            if kept:
+                lane.extendleft(reversed(kept))
+        self._stale -= stale
+        self._size -= len(out)
         return out
 
     def restore(self, block_ids: list[int]) -> None:
         """Put blocks taken by :meth:`pop_first` back at the head of their segment, in their old order."""
         hits, base = self.hits, self.base
-        front = [b for b in block_ids if hits[b - base]]
-        if front:
-            self._protected = {**dict.fromkeys(front), **self._protected}
-        front = [b for b in block_ids if not hits[b - base]]
-        if front:
-            self._probation = {**dict.fromkeys(front), **self._probation}
+        for lane, hit in ((self._lanes[1], True), (self._lanes[0], False)):
+            front = [b for b in block_ids if bool(hits[b - base]) is hit]
+            if front:
+                self._enter(lane, front)
+                lane.rotate(len(front))  # the new entries, appended last, move to the head in order
 
     def defer(self, block_ids: Iterable[int]) -> None:
         """Put blocks taken by :meth:`pop_first` at the evict-last end, in the given order."""
-        for b in block_ids:
-            self._deferred[b] = None
+        self._enter(self._lanes[2], list(block_ids))
 
     def check(self, cached_ids: Iterable[int]) -> None:
         """Validate the segments against the pool's cached blocks.
 
         Raises:
             AssertionError: The segments do not hold exactly ``cached_ids``
-                (each once), or a block sits in the wrong segment for its hit count.
+                (each once), a block sits in the wrong segment for its hit
+                count, or the counts of live and stale entries are off.
         """
         ids = sorted(self)
-        if len(ids) != len(set(ids)) or ids != sorted(cached_ids):
-            raise AssertionError(f"eviction order holds {ids}, cached blocks are {sorted(cached_ids)}")
-        for b in self._probation:
-            if self.hits[b - self.base]:
-                raise AssertionError(f"block {b}: hit {self.hits[b - self.base]} times but in the probationary segment")
-        for b in self._protected:
-            if not self.hits[b - self.base]:
-                raise AssertionError(f"block {b}: never hit but in the protected segment")
+        if len(ids) != len(set(ids)) or ids != sorted(cached_ids) or len(ids) != self._size:
+            raise AssertionError(
+                f"eviction order holds {ids} (size {self._size}), cached blocks are {sorted(cached_ids)}"
+            )
+        if sum(map(len, self._lanes)) != self._size + self._stale:
+            raise AssertionError(
+                f"segments hold {sum(map(len, self._lanes))} entries, not {self._size} + {self._stale} stale"
+            )
+        mask, stamp = self._mask, self._stamp
+        for lane, hit in ((self._lanes[0], False), (self._lanes[1], True)):
+            for e in lane:
+                i = e & mask
+                if stamp[i] == e and bool(self.hits[i]) is not hit:
+                    which = "hit but in the probationary" if self.hits[i] else "never hit but in the protected"
+                    raise AssertionError(f"block {i + self.base}: {which} segment")
+
+    def _enter(self, lane: deque[int], block_ids: list[int]) -> None:
+        """Append fresh entries for ``block_ids`` (not in the order) to ``lane``, in order."""
+        if self._tick + len(block_ids) > self._tick_max:
+            self._compact()
+        base, shift, stamp = self.base, self._shift, self._stamp
+        tick = self._tick
+        for b in block_ids:
+            e = tick << shift | (b - base)
+            tick += 1
+            stamp[b - base] = e
+            lane.append(e)
+        self._tick = tick
+        self._size += len(block_ids)
+
+    def _compact(self) -> None:
+        """Rebuild the segments without their stale entries, ticks renumbered from 1 (O(entries))."""
+        mask, shift, stamp = self._mask, self._shift, self._stamp
+        old = stamp.tolist()
+        tick = 1
+        for lane in self._lanes:
+            live = [e & mask for e in lane if old[e & mask] == e]
+            entries = [(tick + k) << shift | i for k, i in enumerate(live)]
+            tick += len(live)
+            stamp[live] = entries
+            lane.clear()
+            lane.extend(entries)
+        self._tick = tick
+        self._stale = 0
