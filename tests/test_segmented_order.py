@@ -97,7 +97,7 @@ def test_stale_entries_are_compacted_and_the_order_kept() -> None:
     for _ in range(300):  # every hit leaves a stale entry behind
         hit(pair, ids[40:50])
     seg = pair[0]._keyed
-    assert sum(map(len, seg._lanes)) <= 2 * len(seg) + 1024 + 1
+    assert sum(len(lane) - h for lane, h in zip(seg._lanes, seg._heads)) <= 2 * len(seg) + 1024 + 1
     assert seg._stale < 3000  # compacted at least once
     same(pair)
     assert pair[0].evict_begin(100) == pair[1].evict_begin(100)
@@ -115,3 +115,20 @@ def test_a_long_release_takes_the_numpy_path_in_the_same_order() -> None:
         p.decref(both[0][::-1])
     same(pair)
     assert pair[0].evict_begin(n) == pair[1].evict_begin(n)
+
+
+def test_long_evictions_drop_the_taken_front_and_keep_the_order() -> None:
+    pair = pools(6000)
+    ids = release(pair, 6000)
+    hit(pair, ids[3000:3100])  # stale entries in the probationary segment, live ones in the protected
+    for k in (700, 1500, 9, 1200):
+        assert pair[0].evict_begin(k) == pair[1].evict_begin(k)  # past the 1,024-entry trim point
+        same(pair)
+    skip = set(pair[0].eviction_order()[:5])
+    taken = pair[0].evict_begin(50, skip)
+    assert pair[1].evict_begin(50, skip) == taken
+    for p in pair:
+        p.evict_finish(taken)
+    same(pair)
+    seg = pair[0]._keyed
+    assert seg._heads[0] < 1024 or 2 * seg._heads[0] <= len(seg._lanes[0])
