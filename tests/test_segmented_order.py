@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from akv.core.block_pool import BlockPool
 from akv.core.block_refs import _NUMPY_RELEASE_MIN
-from akv.core.eviction_policy import EvictionPolicy, KeyedOrder, SegmentedOrder, slru_key
+from akv.core.eviction_policy import EvictionPolicy, KeyedOrder, slru_key
+from akv.core.segmented_order import SegmentedOrder
 
 BASE = 10
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from akv.core.eviction_policy import SegmentedOrder
+from akv.core.segmented_order import SegmentedOrder
 
 FREE = 0
 ACTIVE = 1
