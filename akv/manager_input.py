@@ -234,17 +234,15 @@ def append_tokens(seq_id: Hashable, tokens: Any, vocab_size: int) -> int | np.nd
 def decode_tokens(appends: dict, vocab_size: int) -> dict | None:
     """``appends`` (the manager's copy) if it is a decode batch (one valid int token per sequence), else None.
 
-    Checked with a set of types and one numpy range check over the batch
-    instead of a Python check per sequence; anything else (token arrays, numpy
-    scalars, a bad token) goes through the per-item path, which also words the
-    errors.
+    Checked with a set of types and the batch's ``min`` and ``max`` instead of
+    a Python check per sequence (ints only, so no conversion can fail; a
+    32-sequence batch, OMP_NUM_THREADS=1, timeit min of 5: 3.5-5.1 us with
+    ``np.fromiter`` and two numpy reductions, 1.4-2.2 us so); anything else (token arrays, numpy scalars, a bad token)
+    goes through the per-item path, which also words the errors.
     """
-    if not appends or set(map(type, appends.values())) != {int}:
+    if not appends:
         return None
-    try:
-        arr = np.fromiter(appends.values(), dtype=np.int64, count=len(appends))
-    except OverflowError:
-        return None
-    if arr.min() < 0 or arr.max() >= vocab_size:
+    values = appends.values()
+    if set(map(type, values)) != {int} or min(values) < 0 or max(values) >= vocab_size:
         return None
     return appends

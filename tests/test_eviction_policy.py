@@ -564,7 +564,7 @@ def test_slru_segments_are_ordered_lists_checked_by_check() -> None:
     assert pool.eviction_order() == [*taken, order[0], *order[3:]]
     pool.check()
     seg = pool._keyed
-    protected = next(iter(seg._protected))
+    protected = next(b for b in pool.eviction_order() if seg.hits[b - seg.base])
     seg.hits[protected - seg.base] = 0  # a never-hit block in the protected segment
     with pytest.raises(AssertionError, match="never hit but in the protected segment"):
         pool.check()

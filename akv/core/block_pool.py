@@ -49,11 +49,11 @@ from akv.core.eviction_policy import (
     DEFAULT_EVICTION_POLICY,
     EvictionPolicy,
     KeyedOrder,
-    SegmentedOrder,
     eviction_policy,
     lru_key,
     slru_key,
 )
+from akv.core.segmented_order import SegmentedOrder
 
 __all__ = ["ACTIVE", "CACHED", "FREE", "IN_FLIGHT", "STATE_NAMES", "BlockPool"]
 

@@ -101,14 +101,15 @@ class ShardChecks:
 
     def _commits_ok(self, commits, freed: set) -> tuple[np.ndarray, np.ndarray] | None:
         """Vectorized commit check: all ids live, all counts ints within range; their rows and counts, or None."""
-        if (freed and not freed.isdisjoint(commits)) or set(map(type, commits.values())) != {int}:
+        counts = commits.values()
+        if (freed and not freed.isdisjoint(commits)) or set(map(type, counts)) != {int} or min(counts) < 0:
             return None
         try:
             rows, add = self._commit_arrays(commits)
         except (KeyError, OverflowError):  # an unknown id, a count beyond int64: the per-item check words the error
             return None
         t = self.tables
-        if (add >= 0).all() and (t.num_computed[rows] + add <= t.num_tokens[rows]).all():
+        if (t.num_computed[rows] + add <= t.num_tokens[rows]).all():
             return rows, add
         return None
 

@@ -105,7 +105,9 @@ class ShardAppends:
             rows = np.fromiter(map(self.rows.__getitem__, ids), dtype=np.intp, count=n)
         pos = tables.num_tokens[rows]
         new_block = pos % bs == 0
-        maybe_shared = np.flatnonzero(tables.shared_tail[rows] & ~new_block).tolist()
+        # Shared tails come only from forks: with none in the table, skip the per-row flags.
+        any_shared = bool(tables.shared_tail.any())
+        maybe_shared = np.flatnonzero(tables.shared_tail[rows] & ~new_block).tolist() if any_shared else []
         num_new = int(np.count_nonzero(new_block))
         released = 0  # earmarked blocks this batch takes or gives back
         if self.num_reserved_seqs:
@@ -140,7 +142,8 @@ class ShardAppends:
             tables.lens[grow] += 1
             self.table_refs += num_new
             self.counters.blocks_allocated += num_new
-        tables.shared_tail[rows] = False
+        if any_shared:
+            tables.shared_tail[rows] = False
         if released:
             tables.cow_reserved[rows] = False
             self.num_reserved -= released

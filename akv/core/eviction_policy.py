@@ -21,7 +21,7 @@ eviction meets leaves first and the tree rarely refuses a victim.
 
 ``"lru"`` is served by :class:`~akv.core.block_pool.BlockPool` with an
 ``OrderedDict`` (O(1) per operation, the hot path); ``"slru"`` by a
-:class:`SegmentedOrder` (two insertion-ordered ``dict`` segments, O(1), the same order
+:class:`~akv.core.segmented_order.SegmentedOrder` (a FIFO per segment, O(1) amortized, the same order
 as its key); every other policy by a :class:`KeyedOrder`, a binary heap with
 lazy invalidation (O(log n)).
 
@@ -35,7 +35,6 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from itertools import chain, islice
 
 import numpy as np
 
@@ -328,130 +327,3 @@ class KeyedOrder(HitCounts):
         if len(heap) > 2 * self._size + 64:
             self._heap = self._live_entries()
             heapq.heapify(self._heap)
-
-
-class SegmentedOrder(HitCounts):
-    """Cached blocks in :func:`slru_key` order with O(1) operations: one insertion-ordered ``dict`` per segment.
-
-    Probationary (never hit) blocks in release order, then protected (hit)
-    blocks in release order, then the evict-last lane (blocks the prefix tree
-    refused). Because a block's hit count only changes while it is out of the
-    cache (a hit takes a reference), release order within a segment is
-    exactly the key order, so no heap is needed. Offers the same operations
-    as :class:`KeyedOrder`.
-
-    A plain ``dict`` rather than an ``OrderedDict``: entering and leaving cost
-    about 40 % less (no linked-list node per key). Taking from the front
-    iterates past the slots of keys deleted since the dict's last resize (a
-    C-level scan of at most its table size per :meth:`pop_first` call), and
-    putting blocks back at the front (:meth:`restore`, an aborted eviction)
-    rebuilds the segment, O(segment).
-
-    Args:
-        first_block_id: Lowest block id of the pool.
-        num_blocks: Blocks in the pool.
-    """
-
-    __slots__ = ("_deferred", "_probation", "_protected", "policy")
-
-    def __init__(self, first_block_id: int, num_blocks: int) -> None:
-        self.policy = EVICTION_POLICIES["slru"]
-        super().__init__(first_block_id, num_blocks)
-        self._probation: dict[int, None] = {}
-        self._protected: dict[int, None] = {}
-        self._deferred: dict[int, None] = {}
-
-    def __len__(self) -> int:
-        return len(self._probation) + len(self._protected) + len(self._deferred)
-
-    def segments(self) -> tuple[dict[int, None], dict[int, None]]:
-        """The probationary and protected segments themselves (block id -> None, oldest first).
-
-        For :class:`~akv.core.block_pool.BlockPool`'s release loop, which puts
-        each released block at the tail of its segment (``hits[b - base]``
-        nonzero: protected) in the same pass that updates the block's state.
-        """
-        return self._probation, self._protected
-
-    def __contains__(self, block_id: int) -> bool:
-        return block_id in self._probation or block_id in self._protected or block_id in self._deferred
-
-    def __setitem__(self, block_id: int, _value: None) -> None:
-        """``block_id`` entered the cache now: the tail of its segment."""
-        if self.hits[block_id - self.base]:
-            self._protected[block_id] = None
-        else:
-            self._probation[block_id] = None
-
-    def extend(self, block_ids: list[int]) -> None:
-        """Blocks entered the cache now, in this order: each at the tail of its segment."""
-        base, hits, protected, probation = self.base, memoryview(self.hits), self._protected, self._probation
-        for b in block_ids:
-            if hits[b - base]:
-                protected[b] = None
-            else:
-                probation[b] = None
-
-    def __delitem__(self, block_id: int) -> None:
-        """``block_id`` left the cache (a hit took a reference)."""
-        for seg in (self._probation, self._protected, self._deferred):
-            if block_id in seg:
-                del seg[block_id]
-                return
-        raise KeyError(block_id)
-
-    def __iter__(self) -> Iterator[int]:
-        """Block ids in eviction order."""
-        return chain(self._probation, self._protected, self._deferred)
-
-    def pop_first(self, max_blocks: int, skip) -> list[int]:
-        """Take up to ``max_blocks`` blocks from the evict-first end; blocks in ``skip`` keep their place."""
-        out: list[int] = []
-        for seg in (self._probation, self._protected, self._deferred):
-            if len(out) >= max_blocks:
-                break
-            if not skip:
-                taken = list(islice(seg, max_blocks - len(out)))
-            else:
-                taken = []
-                for b in seg:
-                    if len(out) + len(taken) >= max_blocks:
-                        break
-                    if b not in skip:
-                        taken.append(b)
-            for b in taken:
-                del seg[b]
-            out.extend(taken)
-        return out
-
-    def restore(self, block_ids: list[int]) -> None:
-        """Put blocks taken by :meth:`pop_first` back at the head of their segment, in their old order."""
-        hits, base = self.hits, self.base
-        front = [b for b in block_ids if hits[b - base]]
-        if front:
-            self._protected = {**dict.fromkeys(front), **self._protected}
-        front = [b for b in block_ids if not hits[b - base]]
-        if front:
-            self._probation = {**dict.fromkeys(front), **self._probation}
-
-    def defer(self, block_ids: Iterable[int]) -> None:
-        """Put blocks taken by :meth:`pop_first` at the evict-last end, in the given order."""
-        for b in block_ids:
-            self._deferred[b] = None
-
-    def check(self, cached_ids: Iterable[int]) -> None:
-        """Validate the segments against the pool's cached blocks.
-
-        Raises:
-            AssertionError: The segments do not hold exactly ``cached_ids``
-                (each once), or a block sits in the wrong segment for its hit count.
-        """
-        ids = sorted(self)
-        if len(ids) != len(set(ids)) or ids != sorted(cached_ids):
-            raise AssertionError(f"eviction order holds {ids}, cached blocks are {sorted(cached_ids)}")
-        for b in self._probation:
-            if self.hits[b - self.base]:
-                raise AssertionError(f"block {b}: hit {self.hits[b - self.base]} times but in the probationary segment")
-        for b in self._protected:
-            if not self.hits[b - self.base]:
-                raise AssertionError(f"block {b}: never hit but in the protected segment")
