@@ -226,6 +226,23 @@ class ManagerQueries:
             out.update(shard.block_refcounts())
         return out
 
+    def shard_of(self, seq_id: Hashable) -> int:
+        """Index of the shard that holds a live sequence's blocks; no message.
+
+        A scheduler that preempts on ``PoolExhausted`` uses it to pick a
+        victim on the shard that ran out (preempting a sequence elsewhere
+        frees nothing there). With one shard every id maps to 0 without a
+        check; with several, the manager's record of owners is read.
+
+        Raises:
+            UnknownSequence: With ``num_shards > 1``, ``seq_id`` is not live.
+            InvalidInput: ``seq_id`` is not a plain value (:mod:`akv.core.ids`).
+        """
+        seq_id = plain_id(seq_id, "seq_id")
+        if len(self._shards) == 1:
+            return 0
+        return self._shard_map.owner(seq_id)
+
     @property
     def null_block_id(self) -> int:
         """The block id that pads every block table: ``config.num_blocks`` (see :attr:`KVCacheConfig.null_block_id`).

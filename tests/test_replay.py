@@ -7,6 +7,7 @@ import logging
 import random
 from pathlib import Path
 
+import anyio
 import pytest
 import structlog
 
@@ -191,3 +192,20 @@ def test_cli_rejects_bad_arguments_with_usage_error(restore_logging, capsys) -> 
         main(["replay", "--limit", "0"])
     assert exit_info.value.code == 2
     assert "--limit" in capsys.readouterr().err
+
+
+@pytest.mark.anyio
+async def test_a_full_shard_preempts_its_own_sequences_and_the_replay_finishes() -> None:
+    # Prefix-affine placement can fill one shard while others are empty; preempting the newest
+    # sequence of the whole pool (on another shard) freed nothing there, so the same appends
+    # were refused every step and this replay never ended (it ends in about 3 s here).
+    requests = read_trace(default_trace_path())[:300]
+    cfg = KVCacheConfig(storage="none", model=model_shape("llama-3-8b"), num_blocks=8000, num_shards=4)
+    async with KVCacheManager(cfg) as kv:
+        with anyio.fail_after(300):  # a hang guard only
+            report = await replay(kv, requests, ReplayOptions())
+        assert report.requests_finished + report.requests_rejected == len(requests)
+        assert report.preemptions > 0
+        stats = await kv.stats()
+        assert (stats.active, stats.num_sequences) == (0, 0)
+        await kv.check()

@@ -31,6 +31,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import structlog
@@ -309,9 +310,7 @@ async def replay(
             frees.append(seq_id)
             report.requests_rejected += 1
             done += 1
-        short = sum(1 for s in rejected if s in appends and isinstance(rejected[s], PoolExhausted)) if rejected else 0
-        while short > 0 and order:
-            victim = order.pop()
+        for victim in _preemption_victims(kv, rejected, appends, order):
             r = running.pop(victim)
             commits.pop(victim, None)
             appends.pop(victim, None)
@@ -319,7 +318,6 @@ async def replay(
             preempted.append(victim)
             report.preemptions += 1
             waiting.appendleft((r.index, np.array(r.outputs[: r.generated], dtype=np.int32)))
-            short -= 1
 
         for seq_id in finished:
             running.pop(seq_id)
@@ -367,3 +365,32 @@ async def replay(
         step_latency_p99_us=report.step_latency_us.get("p99"),
     )
     return report
+
+
+def _preemption_victims(kv: Any, rejected: dict, appends: dict, order: list[str]) -> list[str]:
+    """The sequences to preempt for the appends a step refused for want of blocks (taken out of ``order``).
+
+    As vLLM's scheduler: one victim per refused append, newest first (``order``
+    is admission order, newest last). With several shards the victims of a
+    refusal are the newest sequences *on the refusing shard*: preempting one
+    elsewhere frees nothing there, and a full shard beside empty ones would
+    refuse the same appends every step (a livelock with ``--shards 4``).
+    """
+    short: dict[int, int] = {}
+    for seq_id, err in rejected.items():
+        if seq_id in appends and isinstance(err, PoolExhausted):
+            shard = kv.shard_of(seq_id)
+            short[shard] = short.get(shard, 0) + 1
+    victims: list[str] = []
+    for i in range(len(order) - 1, -1, -1):
+        if not short:
+            break
+        shard = kv.shard_of(order[i])
+        if short.get(shard):
+            victims.append(order[i])
+            short[shard] -= 1
+            if not short[shard]:
+                del short[shard]
+    for v in victims:
+        order.remove(v)
+    return victims
