@@ -49,6 +49,7 @@ from akv.manager_nesting import check_exit_order, entered
 from akv.manager_queries import ManagerQueries
 from akv.manager_results import metrics_snapshot, step_result
 from akv.manager_sequences import SequenceCalls
+from akv.manager_snapshot import ManagerSnapshots
 from akv.obs.metrics import ManagerMetrics, MetricsSnapshot
 from akv.obs.tracing import AkvTracer
 from akv.results import StepResult
@@ -60,7 +61,7 @@ __all__ = ["Admit", "KVCacheManager"]
 _BACKGROUND = ("eviction_loop", "stream_worker")
 
 
-class KVCacheManager(SequenceCalls, ManagerQueries):
+class KVCacheManager(SequenceCalls, ManagerQueries, ManagerSnapshots):
     """Paged KV cache manager run by asyncio actors (anyio).
 
     Use it as an async context manager; it starts its actors (prefix tree,
@@ -173,6 +174,11 @@ class KVCacheManager(SequenceCalls, ManagerQueries):
             device=cfg.device if cfg.storage == "tensors" else None,
             pool_bytes=self.storage.nbytes if self.storage is not None else 0,
         )
+        try:
+            await self._snapshot_on_enter()
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
@@ -192,6 +198,8 @@ class KVCacheManager(SequenceCalls, ManagerQueries):
         """
         if self._tg is None:
             return
+        if exc_type is None:
+            await self._snapshot_on_exit()
         await self._stop_tasks()
         if anyio.get_current_task().id != self._entered_in:
             raise WrongTask(
