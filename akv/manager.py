@@ -48,6 +48,7 @@ from akv.manager_input import step_attributes, step_request
 from akv.manager_nesting import check_exit_order, entered
 from akv.manager_queries import ManagerQueries
 from akv.manager_results import metrics_snapshot, step_result
+from akv.manager_sequence_move import SequenceMoves
 from akv.manager_sequences import SequenceCalls
 from akv.manager_snapshot import ManagerSnapshots
 from akv.obs.metrics import ManagerMetrics, MetricsSnapshot
@@ -61,7 +62,7 @@ __all__ = ["Admit", "KVCacheManager"]
 _BACKGROUND = ("eviction_loop", "stream_worker")
 
 
-class KVCacheManager(SequenceCalls, ManagerQueries, ManagerSnapshots):
+class KVCacheManager(SequenceCalls, ManagerQueries, ManagerSnapshots, SequenceMoves):
     """Paged KV cache manager run by asyncio actors (anyio).
 
     Use it as an async context manager; it starts its actors (prefix tree,

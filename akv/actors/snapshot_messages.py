@@ -81,3 +81,15 @@ class ImportPublish(SnapshotCall):
     def apply(self, state: Any) -> int:
         """See :meth:`~akv.core.shard_export.ShardExports.import_publish`."""
         return state.import_publish(self.block_ids, self.parent, self.namespaces, self.num_hits, self.last_release)
+
+
+@dataclass(frozen=True, slots=True)
+class ExportSequence(SnapshotCall):
+    """Reply ``(namespace, token ids, num_computed, block ids)`` of live sequence ``seq_id``."""
+
+    seq_id: Hashable
+
+    def apply(self, state: Any) -> tuple[Hashable, np.ndarray, int, list[int]]:
+        """Raises :class:`~akv.errors.UnknownSequence` if ``seq_id`` is not live."""
+        seq = state.get(self.seq_id)
+        return seq.namespace, state.token_ids(seq), seq.num_computed, seq.block_ids.tolist()
