@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import anyio
 import numpy as np
 import pytest
 import structlog
 import torch
 
-from akv import KVCacheConfig, KVCacheManager
+from akv import Admit, KVCacheConfig, KVCacheManager
 from akv.core.eviction_policy import EVICTION_POLICIES
 from akv.errors import InvalidInput, SnapshotError
 from akv.storage.snapshot_reader import load_snapshot as read_snapshot
@@ -224,3 +225,59 @@ def test_snapshot_config_fields_are_validated(tmp_path) -> None:
         config(snapshot_dir=tmp_path, require_snapshot=True)
     with pytest.raises(InvalidInput, match="load_on_enter"):
         config(snapshot_dir=tmp_path, load_on_enter=1)
+
+
+@pytest.mark.anyio
+async def test_steps_are_served_during_a_save_and_held_blocks_are_not_evicted(tmp_path, monkeypatch) -> None:
+    """The save's writer thread waits at a gate; meanwhile steps run and need room the held blocks would give."""
+    import threading
+
+    import akv.manager_snapshot as manager_snapshot
+
+    gate, waiting = threading.Event(), threading.Event()
+    real = manager_snapshot.write_snapshot
+
+    def gated(*args):
+        waiting.set()
+        gate.wait(60)  # hang guard: the test opens it
+        return real(*args)
+
+    monkeypatch.setattr(manager_snapshot, "write_snapshot", gated)
+    cfg = config(storage="tensors", num_blocks=40)
+    items = prompts(4)
+    expected = {}
+    async with KVCacheManager(cfg) as kv:
+        await fill(kv, items, kv_seed=5)
+        for i, prompt in enumerate(items):
+            await kv.add_sequence(("read", i), prompt)
+            table = torch.tensor((await kv.sequence(("read", i))).block_ids)
+            expected[i] = [kv.storage.gather(layer, table, 24) for layer in range(cfg.model.num_layers)]
+            await kv.free(("read", i))
+        before = await kv.stats()
+        fit = before.free // 7  # admissions the free blocks hold; the rest would need evictions
+        assert 0 < fit < 4
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(kv.save_snapshot, tmp_path)
+            await anyio.to_thread.run_sync(waiting.wait, 60)
+            others = [np.arange(500 + 30 * j, 525 + 30 * j, dtype=np.int32) for j in range(4)]
+            outcomes = []
+            try:
+                for j, prompt in enumerate(others):  # 7 blocks each; only the free blocks are room now
+                    result = await kv.step(admits=[Admit(seq_id=("new", j), prompt=prompt)])
+                    outcomes.append(("new", j) in result.rejected)
+                assert outcomes == [False] * fit + [True] * (4 - fit)  # served, not stalled; cached blocks held
+                assert (await kv.stats()).cached == before.cached
+            finally:
+                gate.set()
+        for j in range(fit):
+            await kv.free(("new", j))
+        for j, prompt in enumerate(others):  # holds released: room by eviction again
+            assert await kv.add_sequence(("after", j), prompt) == 0
+    async with KVCacheManager(cfg) as kv:
+        await kv.load_snapshot(tmp_path)
+        for i, prompt in enumerate(items):
+            assert await kv.add_sequence(i, prompt) == 24
+            table = torch.tensor((await kv.sequence(i)).block_ids)
+            for layer in range(cfg.model.num_layers):
+                key, value = kv.storage.gather(layer, table, 24)
+                assert torch.equal(key, expected[i][layer][0]) and torch.equal(value, expected[i][layer][1])
