@@ -162,7 +162,7 @@ class ManagerSnapshots:
                 if self.storage is not None and snap.layers is None:
                     raise SnapshotError("foreign", directory, "metadata-only snapshot for a manager that holds K/V")
             except SnapshotError as exc:
-                self._metrics.snapshot_refusals.inc()
+                self._metrics.snapshot_refusals.labels(cause=exc.cause).inc()
                 self.log.warning("snapshot.refused", directory=directory, cause=exc.cause, error=str(exc))
                 raise
             loaded = 0

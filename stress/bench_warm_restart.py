@@ -13,7 +13,8 @@ Reported: the hit rate (cached / prompt tokens) of requests N/2+1 to N in
 each (``full`` from its per-request lines), the warm gap to ``full`` in
 points (target: within 1), and the time from process start (just before the
 ``subprocess`` spawn) to the first admission served a prefix hit, cold vs
-warm. Prints a table and writes JSON.
+warm, with that request's index (0-based, in the trace). Prints a table and
+writes JSON.
 
     OMP_NUM_THREADS=1 python stress/bench_warm_restart.py     # JSON to stress/results/bench_warm_restart.json
 """
@@ -51,10 +52,13 @@ def hit_rate(rows: list[dict], first_index: int) -> float:
     return sum(r["cached_tokens"] for r in rows) / sum(r["prompt_tokens"] for r in rows)
 
 
-def first_hit_s(rows: list[dict], started: float) -> float | None:
-    """Seconds from the spawn to the first admission served a prefix hit (None: no hit)."""
-    hits = [r["admitted_unix_s"] for r in rows if r["cached_tokens"] > 0]
-    return min(hits) - started if hits else None
+def first_hit(rows: list[dict], started: float) -> dict | None:
+    """Seconds from the spawn to the first admission served a prefix hit, and that request's index."""
+    hits = [(r["admitted_unix_s"], r["index"]) for r in rows if r["cached_tokens"] > 0]
+    if not hits:
+        return None
+    admitted, index = min(hits)
+    return {"seconds": admitted - started, "index": index}
 
 
 def main() -> None:
@@ -85,9 +89,9 @@ def main() -> None:
                 "cold": hit_rate(read("cold.jsonl"), half),
                 "warm": hit_rate(read("warm.jsonl"), half),
             },
-            "first_hit_s": {
-                "cold": first_hit_s(read("cold.jsonl"), cold_start),
-                "warm": first_hit_s(read("warm.jsonl"), warm_start),
+            "first_hit": {
+                "cold": first_hit(read("cold.jsonl"), cold_start),
+                "warm": first_hit(read("warm.jsonl"), warm_start),
             },
             "warm_start_blocks": warm_report["warm_start_blocks"],
             "warm_start_s": warm_report["warm_start_s"],
@@ -100,8 +104,11 @@ def main() -> None:
     for name, rate in rates.items():
         print(f"  hit rate {name:>13}: {rate:.2%}")
     print(f"  warm gap to uninterrupted: {result['warm_gap_points']:+.2f} points (target within 1)")
-    hit = result["first_hit_s"]
-    print(f"  first served hit after process start: cold {hit['cold']} s, warm {hit['warm']} s")
+    for name, hit in result["first_hit"].items():
+        if hit is None:
+            print(f"  first served hit, {name}: none")
+        else:
+            print(f"  first served hit, {name}: {hit['seconds']:.2f} s after process start, request {hit['index']}")
     print(f"  warm start: {result['warm_start_blocks']:,} blocks in {result['warm_start_s']:.3f} s")
     print(f"  load average {result['load_average']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)

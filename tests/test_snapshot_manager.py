@@ -76,6 +76,9 @@ async def test_round_trip_keeps_every_hit_and_the_eviction_order(tmp_path, polic
         loaded = await kv.load_snapshot(tmp_path / "a")
         await kv.check()
         assert loaded.dropped_blocks == 0 and loaded.loaded_blocks == loaded.saved_blocks > 0
+        registry = kv.metrics_registry
+        assert registry.get_sample_value("akv_snapshot_blocks_total", {"op": "loaded"}) == loaded.loaded_blocks
+        assert registry.get_sample_value("akv_snapshot_load_seconds_count") == 1
         assert [await kv.lookup(p) for p in items] == before
         stats = await kv.stats()
         assert (stats.cached, stats.active, stats.in_flight) == (loaded.loaded_blocks, 0, 0)
@@ -170,6 +173,10 @@ async def test_load_is_refused_with_a_live_sequence_and_for_a_bad_snapshot(tmp_p
         with pytest.raises(SnapshotError) as corrupt:
             await kv.load_snapshot(tmp_path / "good")
         assert corrupt.value.cause == "corrupt"
+        registry = kv.metrics_registry
+        for cause in ("missing", "corrupt"):
+            assert registry.get_sample_value("akv_snapshot_refusals_total", {"cause": cause}) == 1
+        assert registry.get_sample_value("akv_snapshot_load_seconds_count") == 0
         after = await kv.stats()
         assert (after.free, after.cached, after.prefix_cache_blocks) == (before.free, before.cached, 6)
         assert before.cached == 6

@@ -129,7 +129,7 @@ class ManagerMetrics:
         snapshot_save_s, snapshot_load_s: Histograms of snapshot saves and
             loads (seconds, see :mod:`akv.manager_snapshot`).
         snapshot_blocks: Counter of snapshot blocks by ``op`` (saved, loaded, dropped).
-        snapshot_refusals: Counter of snapshots refused on load.
+        snapshot_refusals: Counter of snapshots refused on load, by ``cause``.
     """
 
     def __init__(self, read: Callable[[], MetricsSnapshot]) -> None:
@@ -169,5 +169,8 @@ class ManagerMetrics:
             "akv_snapshot_blocks", "Snapshot blocks saved, loaded or dropped.", ["op"], registry=self.registry
         )
         self.snapshot_refusals = Counter(
-            "akv_snapshot_refusals", "Snapshots refused on load (corrupt, foreign, missing...).", registry=self.registry
+            "akv_snapshot_refusals",
+            "Snapshots refused on load, by SnapshotError cause.",
+            ["cause"],
+            registry=self.registry,
         )
