@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from akv.actors.snapshot_messages import ExportSnapshot, ImportAbort, ImportPublish, ImportReserve, ReleaseHold
-from akv.core.block_key import KEY_BYTES
+from akv.core.block_key import KEY_BYTES, block_key_raw, chain_suffix
 from akv.core.eviction_policy import EVICTION_POLICIES
 from akv.errors import InvalidInput, SnapshotError
 from akv.storage.snapshot_demo import tensor_reader
@@ -102,7 +102,7 @@ class ManagerSnapshots:
             try:
                 for shard in self._shards:
                     exports.append(await self._ask(shard, ExportSnapshot(hold)))
-                blocks, block_ids = _merge_exports(exports, self.config.block_size)
+                blocks, block_ids = await anyio.to_thread.run_sync(_merge_exports, exports, self.config.block_size)
                 reader = tensor_reader(self.storage.kv_caches, block_ids) if hold else None
                 generation = await anyio.to_thread.run_sync(write_snapshot, directory, self.config, blocks, reader)
             except Exception as exc:
@@ -249,23 +249,40 @@ def _write_layers(kv_caches: list, layers: list, rows: torch.Tensor, block_ids: 
         cache.index_copy_(1, dst, saved.index_select(1, rows).to(cache.device))
 
 
+def _chain_keys(export: Any) -> list[bytes]:
+    """The content key of every row of a shard's export, chained from its parent row's key."""
+    keys: list[bytes] = []
+    suffixes: dict = {}
+    raw = np.ascontiguousarray(export.tokens, dtype="<i4")
+    for row, up in enumerate(export.parent.tolist()):
+        namespace = export.namespaces[row]
+        suffix = suffixes.get((type(namespace), namespace))
+        if suffix is None:
+            suffix = suffixes[(type(namespace), namespace)] = chain_suffix(namespace)
+        keys.append(block_key_raw(None if up < 0 else keys[up], raw[row].tobytes(), suffix))
+    return keys
+
+
 def _merge_exports(exports: list, block_size: int) -> tuple[SnapshotBlocks, np.ndarray]:
-    """One record from the shards' exports: rows concatenated, blocks saved twice kept once; and their block ids."""
+    """One record from the shards' exports (keys chained here, off the actors): blocks saved twice kept once.
+
+    Returns:
+        The record and the block id of each of its rows.
+    """
     table: dict = {}
     seen: dict[bytes, int] = {}
     columns: dict[str, list] = {name: [] for name in ("keys", "parent", "namespace", "tokens", "hits", "rank", "ids")}
     for export in exports:
         local: list[int] = []
-        for row, key in enumerate(export.keys):
-            raw = key.tobytes()
-            known = seen.get(raw)
+        for row, key in enumerate(_chain_keys(export)):
+            known = seen.get(key)
             if known is not None:
                 local.append(known)
                 continue
             up = int(export.parent[row])
             namespace = export.namespaces[row]
             local.append(len(columns["ids"]))
-            seen[raw] = local[-1]
+            seen[key] = local[-1]
             columns["keys"].append(key)
             columns["parent"].append(-1 if up < 0 else local[up])
             columns["namespace"].append(table.setdefault((type(namespace), namespace), len(table)))
@@ -277,7 +294,7 @@ def _merge_exports(exports: list, block_size: int) -> tuple[SnapshotBlocks, np.n
     blocks = SnapshotBlocks(
         block_size=block_size,
         namespaces=tuple(value for _, value in table),
-        keys=np.array(columns["keys"], dtype=np.uint8).reshape(n, KEY_BYTES),
+        keys=np.frombuffer(b"".join(columns["keys"]), dtype=np.uint8).reshape(n, KEY_BYTES).copy(),
         parent=np.array(columns["parent"], dtype=np.int64),
         namespace=np.array(columns["namespace"], dtype=np.int32),
         tokens=np.array(columns["tokens"], dtype=np.int32).reshape(n, block_size),

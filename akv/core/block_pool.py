@@ -192,6 +192,12 @@ class BlockPool(BlockRefs):
         """Prefix hits on ``block_id`` since its allocation; always 0 under LRU (not counted)."""
         return 0 if self._keyed is None else self._keyed.hits[block_id - self.first_block_id]
 
+    def hit_counts(self, block_ids: np.ndarray) -> np.ndarray:
+        """Prefix hits of each of ``block_ids`` (an int array of this pool's blocks): int64, zeros under LRU."""
+        if self._keyed is None:
+            return np.zeros(len(block_ids), dtype=np.int64)
+        return self._keyed.hits[np.asarray(block_ids, dtype=np.intp) - self.first_block_id].astype(np.int64)
+
     def set_num_hits(self, block_ids: list[int], num_hits: list[int]) -> None:
         """Set the prefix-hit counts of referenced blocks (a snapshot restored); a no-op under LRU.
 
