@@ -288,3 +288,23 @@ async def test_steps_are_served_during_a_save_and_held_blocks_are_not_evicted(tm
             for layer in range(cfg.model.num_layers):
                 key, value = kv.storage.gather(layer, table, 24)
                 assert torch.equal(key, expected[i][layer][0]) and torch.equal(value, expected[i][layer][1])
+
+
+@pytest.mark.anyio
+async def test_a_failed_save_is_typed_releases_its_holds_and_the_manager_keeps_serving(tmp_path) -> None:
+    cfg = config(storage="tensors", num_blocks=40)
+    items = prompts(4)
+    (tmp_path / "file").write_text("not a directory")
+    async with KVCacheManager(cfg) as kv:
+        await fill(kv, items, kv_seed=1)
+        with pytest.raises(SnapshotError) as err:
+            await kv.save_snapshot(tmp_path / "file")
+        assert err.value.cause == "io"
+        assert (tmp_path / "file").read_text() == "not a directory"
+        with pytest.raises(InvalidInput):
+            await kv.save_snapshot(3)
+        others = [np.arange(500 + 30 * j, 525 + 30 * j, dtype=np.int32) for j in range(4)]
+        for j, prompt in enumerate(others):  # needs the cached blocks evicted: no hold is left behind
+            assert await kv.add_sequence(("new", j), prompt) == 0
+        await kv.check()
+        assert await kv.save_snapshot(tmp_path / "ok") == 1
