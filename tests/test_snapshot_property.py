@@ -28,9 +28,9 @@ async def run(ops, policy: str, num_shards: int, directory: str, small: int) -> 
         for i, (prompt, commit, free) in enumerate(ops):
             if (await kv.stats()).free < len(prompt) // BS + 2:
                 continue
-            await kv.add_sequence(i, prompt)
+            cached = await kv.add_sequence(i, prompt)
             if commit:
-                await kv.commit(i, len(prompt))
+                await kv.commit(i, len(prompt) - cached)
             if free:
                 await kv.free(i)
         before = [await kv.lookup(p) for p in probes]
