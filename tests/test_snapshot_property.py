@@ -1,4 +1,9 @@
-"""Property: after save and a restart, every prompt matches exactly what it matched before (same pool size)."""
+"""Property: after save and a restart, every prompt matches exactly what it matched before (same pool size).
+
+Exactly for one shard; with two, a chain is restored to the shard placement
+sends its first block to, so a prefix an admission had spilled elsewhere may
+match more after the restart (only the consistency checks are asserted there).
+"""
 
 from __future__ import annotations
 
@@ -53,7 +58,10 @@ async def run(ops, policy: str, num_shards: int, directory: str, small: int) -> 
 def test_restart_matches_what_was_matched_before(ops, policy, shards, small) -> None:
     with tempfile.TemporaryDirectory() as directory:
         before, after, cut, dropped = anyio.run(run, ops, policy, shards, directory, small)
-    if not dropped:  # everything fit: exactly the same matches
-        assert after == before
-    assert all(a <= b for a, b in zip(after, before, strict=True))
+    if shards == 1:
+        if not dropped:  # everything fit: exactly the same matches
+            assert after == before
+        assert all(a <= b for a, b in zip(after, before, strict=True))
+    # With 2 shards a prefix cached where an admission spilled (not its affine shard) is restored to its
+    # affine shard, where lookups and admissions look: it may match more after the restart than before.
     assert all(c <= b for c, b in zip(cut, before, strict=True))
