@@ -65,6 +65,12 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--limit", type=int_range(1, MAX_LIMIT), help=f"replay only the first N requests, 1 to {MAX_LIMIT:,}"
     )
     rp.add_argument(
+        "--start",
+        type=int_range(0, MAX_LIMIT),
+        default=0,
+        help="skip the first N requests of the trace (--limit counts from there; default 0)",
+    )
+    rp.add_argument(
         "--block-size",
         type=int_range(1, MAX_BLOCK_SIZE),
         default=16,
@@ -116,6 +122,20 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--events-out",
         type=output_path,
         help="write the cache event batches as JSON lines to this path (turns events on; see docs/events.md)",
+    )
+    rp.add_argument(
+        "--requests-out",
+        type=output_path,
+        help="write one JSON line per request: its index in the trace, prompt tokens, cached tokens",
+    )
+    rp.add_argument(
+        "--warm-start",
+        type=input_path,
+        metavar="DIR",
+        help="load this snapshot directory before the first request (a refused snapshot is exit 2)",
+    )
+    rp.add_argument(
+        "--save-snapshot", type=input_path, metavar="DIR", help="save a snapshot to this directory after the replay"
     )
     _add_logging_options(rp)
     rp.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -208,8 +228,24 @@ def _serve_metrics(kv: object, args: argparse.Namespace) -> ExitStack:
     return stack
 
 
+def _requests_lines(report: object, requests: list[TraceRequest]) -> str:
+    """``--requests-out``: one JSON line per request, in trace order."""
+    lines = []
+    for req, cached, admitted in zip(
+        requests, report.cached_tokens_per_request, report.admitted_unix_s_per_request, strict=True
+    ):
+        line = {"index": req.index, "prompt_tokens": req.input_length, "cached_tokens": cached}
+        lines.append(json.dumps({**line, "admitted_unix_s": admitted}) + "\n")
+    return "".join(lines)
+
+
 def _write_outputs(
-    args: argparse.Namespace, report: object, config: KVCacheConfig, path: Path, registry: object
+    args: argparse.Namespace,
+    report: object,
+    config: KVCacheConfig,
+    path: Path,
+    registry: object,
+    requests: list[TraceRequest],
 ) -> None:
     """The summary and the output files, the JSON report first: a failed plot never loses it."""
     from akv.obs.export import metrics_text
@@ -226,6 +262,8 @@ def _write_outputs(
             bytes_per_block=config.bytes_per_block,
         )
         write_output("--json", args.json_path, json.dumps(data, indent=2) + "\n")
+    if args.requests_out is not None:
+        write_output("--requests-out", args.requests_out, _requests_lines(report, requests))
     if args.metrics_out is not None:
         write_output("--metrics-out", args.metrics_out, metrics_text(registry))
     if args.plot is not None:
@@ -245,6 +283,8 @@ def main_replay(args: argparse.Namespace) -> int:
         UsageError: The options describe no usable pool, or the replay could do
             nothing: an empty trace, every request larger than a shard (exit 2).
         InvalidInput: The configuration is refused (exit 2).
+        SnapshotError: ``--warm-start`` names a refused snapshot, or
+            ``--save-snapshot`` cannot write (exit 2, with the cause).
     """
     from akv.manager import KVCacheManager
     from akv.replay import ReplayOptions, replay
@@ -253,7 +293,8 @@ def main_replay(args: argparse.Namespace) -> int:
     from akv.trace import default_trace_path, read_trace
 
     path = args.trace or default_trace_path()
-    requests = read_trace(path, limit=args.limit, max_request_tokens=args.max_request_tokens)
+    limit = None if args.limit is None else args.start + args.limit
+    requests = read_trace(path, limit=limit, max_request_tokens=args.max_request_tokens)[args.start :]
     config = _replay_config(args)
     _check_requests(requests, path, config)
     options = ReplayOptions(
@@ -268,17 +309,23 @@ def main_replay(args: argparse.Namespace) -> int:
 
     async def run() -> object:
         async with kv:
+            loaded = await kv.load_snapshot(args.warm_start) if args.warm_start is not None else None
             with progress_bar(len(requests), enabled=not args.no_progress) as progress:
                 if args.events_out is None:
-                    return await replay(kv, requests, options, progress=progress)
-                report, report.final_cached_blocks, _ = await replay_with_events(
-                    kv, lambda: replay(kv, requests, options, progress=progress), args.events_out
-                )
-                return report
+                    report = await replay(kv, requests, options, progress=progress)
+                else:
+                    report, report.final_cached_blocks, _ = await replay_with_events(
+                        kv, lambda: replay(kv, requests, options, progress=progress), args.events_out
+                    )
+            if loaded is not None:
+                report.warm_start_blocks, report.warm_start_s = loaded.loaded_blocks, loaded.seconds
+            if args.save_snapshot is not None:
+                await kv.save_snapshot(args.save_snapshot)
+            return report
 
     with _serve_metrics(kv, args):
         report = anyio.run(run)
-    _write_outputs(args, report, config, path, kv.metrics_registry)
+    _write_outputs(args, report, config, path, kv.metrics_registry, requests)
     if report.requests_rejected and not report.requests_finished:
         raise UsageError(
             f"no request finished: all {report.requests_rejected:,} were dropped, each needing more blocks "

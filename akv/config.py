@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -210,6 +211,16 @@ class KVCacheConfig:
             docs/events.md). Off by default: the step path then pays nothing.
         events_window: Event batches kept for ``subscribe_events(since=...)``
             resumption (0 keeps none).
+        snapshot_dir: Snapshot directory (docs/persistence.md) for
+            ``save_on_exit`` and ``load_on_enter``: a non-empty ``str`` or
+            ``os.PathLike`` (stored as ``str``), or ``None``.
+        save_on_exit: Save a snapshot to ``snapshot_dir`` when ``async with``
+            exits cleanly (needs ``snapshot_dir``).
+        load_on_enter: Load ``snapshot_dir``'s snapshot on entry (needs
+            ``snapshot_dir``); a refused snapshot starts cold with a
+            ``snapshot.refused`` warning unless ``require_snapshot``.
+        require_snapshot: With ``load_on_enter``, a refused snapshot raises
+            :class:`~akv.errors.SnapshotError` from entry instead.
 
     Types are exact: counts are ``int`` (numpy integers are made ``int``) in
     ``[1, limit]`` (:data:`MAX_NUM_BLOCKS` for ``num_blocks``,
@@ -244,6 +255,10 @@ class KVCacheConfig:
     eviction_policy: str = DEFAULT_EVICTION_POLICY
     enable_events: bool = False
     events_window: int = 1024
+    snapshot_dir: str | None = None
+    save_on_exit: bool = False
+    load_on_enter: bool = False
+    require_snapshot: bool = False
 
     def __post_init__(self) -> None:
         limits = {
@@ -283,6 +298,7 @@ class KVCacheConfig:
             )
         if type(self.model) is not ModelShape:
             raise InvalidInput(f"model must be a ModelShape, got {type(self.model).__name__}")
+        _snapshot_fields(self)
 
     def watermark_blocks(self, shard_blocks: int) -> tuple[float, int]:
         """The eviction loop's thresholds for a shard of ``shard_blocks`` blocks, in free blocks.
@@ -378,3 +394,20 @@ class KVCacheConfig:
         """
         text = json.dumps(self.fingerprint(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def _snapshot_fields(config: KVCacheConfig) -> None:
+    """Validate (and normalize) the snapshot fields of ``config``."""
+    path = config.snapshot_dir
+    if path is not None:
+        if isinstance(path, os.PathLike):
+            path = os.fspath(path)
+        if type(path) is not str or not path or "\x00" in path:
+            raise InvalidInput(f"snapshot_dir must be None or a non-empty path, got {describe(config.snapshot_dir)}")
+        object.__setattr__(config, "snapshot_dir", path)
+    for field in ("save_on_exit", "load_on_enter", "require_snapshot"):
+        _bool_field(config, field)
+    if (config.save_on_exit or config.load_on_enter) and path is None:
+        raise InvalidInput("save_on_exit and load_on_enter need a snapshot_dir")
+    if config.require_snapshot and not config.load_on_enter:
+        raise InvalidInput("require_snapshot needs load_on_enter")

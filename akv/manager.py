@@ -50,7 +50,9 @@ from akv.manager_nesting import check_exit_order, entered
 from akv.manager_parts import apply_parts
 from akv.manager_queries import ManagerQueries
 from akv.manager_results import metrics_snapshot, step_result
+from akv.manager_sequence_move import SequenceMoves
 from akv.manager_sequences import SequenceCalls
+from akv.manager_snapshot import ManagerSnapshots
 from akv.obs.metrics import ManagerMetrics, MetricsSnapshot
 from akv.obs.tracing import AkvTracer
 from akv.results import StepResult
@@ -62,7 +64,7 @@ __all__ = ["Admit", "KVCacheManager"]
 _BACKGROUND = ("eviction_loop", "stream_worker")
 
 
-class KVCacheManager(SequenceCalls, ManagerQueries, ManagerEvents):
+class KVCacheManager(SequenceCalls, ManagerQueries, ManagerEvents, ManagerSnapshots, SequenceMoves):
     """Paged KV cache manager run by asyncio actors (anyio).
 
     Use it as an async context manager; it starts its actors (prefix tree,
@@ -176,6 +178,11 @@ class KVCacheManager(SequenceCalls, ManagerQueries, ManagerEvents):
             device=cfg.device if cfg.storage == "tensors" else None,
             pool_bytes=self.storage.nbytes if self.storage is not None else 0,
         )
+        try:
+            await self._snapshot_on_enter()
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
@@ -195,6 +202,8 @@ class KVCacheManager(SequenceCalls, ManagerQueries, ManagerEvents):
         """
         if self._tg is None:
             return
+        if exc_type is None:
+            await self._snapshot_on_exit()
         await self._stop_tasks()
         if anyio.get_current_task().id != self._entered_in:
             raise WrongTask(

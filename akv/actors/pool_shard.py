@@ -43,6 +43,7 @@ import anyio
 from akv.actors.messages import Check, Evict, Inspect, InspectBlock, Lookup, Retire, Room, Stats, Step
 from akv.actors.runtime import Actor
 from akv.actors.shard_snapshot import ShardSnapshot, take_snapshot
+from akv.actors.snapshot_messages import SnapshotCall
 from akv.core.block_key import chain_keys_raw, chain_suffix
 from akv.core.block_pool import STATE_NAMES
 from akv.core.cache_reset import ALL_NAMESPACES, retire_blocks
@@ -205,7 +206,8 @@ class PoolShardActor(Actor):
             self._room_event = None
 
     def handle(self, msg: Any) -> Any:
-        """Serve :class:`Step`, :class:`Evict`, :class:`Retire`, :class:`Lookup`, :class:`Room`, :class:`Inspect`, :class:`InspectBlock`, :class:`Stats` or :class:`Check`.
+        """Serve :class:`Step`, :class:`Evict`, :class:`Retire`, :class:`Lookup`, :class:`Room`, :class:`Inspect`, :class:`InspectBlock`, :class:`Stats`, :class:`Check` or a snapshot message
+        (:class:`~akv.actors.snapshot_messages.SnapshotCall`).
 
         Synchronous (it never awaits), so the runtime may run it on an asking
         task when the shard is idle (see :mod:`akv.actors.runtime`). Publishes
@@ -238,6 +240,8 @@ class PoolShardActor(Actor):
             result = self._inspect_block(msg.block_id)
         elif isinstance(msg, Check):
             self.state.check()
+        elif isinstance(msg, SnapshotCall):
+            result = msg.apply(self.state)
         elif not isinstance(msg, Stats):
             raise TypeError(f"{self.name}: unknown message {type(msg).__name__}")
         self._after()

@@ -192,6 +192,22 @@ class BlockPool(BlockRefs):
         """Prefix hits on ``block_id`` since its allocation; always 0 under LRU (not counted)."""
         return 0 if self._keyed is None else self._keyed.hits[block_id - self.first_block_id]
 
+    def hit_counts(self, block_ids: np.ndarray) -> np.ndarray:
+        """Prefix hits of each of ``block_ids`` (an int array of this pool's blocks): int64, zeros under LRU."""
+        if self._keyed is None:
+            return np.zeros(len(block_ids), dtype=np.int64)
+        return self._keyed.hits[np.asarray(block_ids, dtype=np.intp) - self.first_block_id].astype(np.int64)
+
+    def set_num_hits(self, block_ids: list[int], num_hits: list[int]) -> None:
+        """Set the prefix-hit counts of referenced blocks (a snapshot restored); a no-op under LRU.
+
+        Args:
+            block_ids: Blocks of this pool.
+            num_hits: Their counts (ints >= 0), one per block.
+        """
+        if self._keyed is not None and block_ids:
+            self._keyed.hits[np.array(block_ids, dtype=np.intp) - self.first_block_id] = num_hits
+
     # ---------------------------------------------------------------- mutations
     def allocate(self, num_blocks: int) -> list[int]:
         """Take ``num_blocks`` blocks off the free queue, each with refcount 1.

@@ -13,7 +13,7 @@ mutations in :mod:`akv.core.radix_tree`.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Iterator
 
 import numpy as np
 
@@ -194,6 +194,22 @@ class RunQueries:
             runs.append((node, len(node.blocks)))
             node = node.parent
         return node.namespace, runs
+
+    def runs(self) -> Iterator[tuple[Hashable, int | None, list[int]]]:
+        """Every run of the tree, each after the run it hangs below (a depth-first walk). O(blocks).
+
+        Yields:
+            ``(namespace, parent_block_id, block_ids)``: the namespace as passed
+            to :meth:`insert`, the block the run continues (``None`` below the
+            root) and the run's block ids in chain order (a new list).
+        """
+        for namespace, root in self._roots.items():
+            stack: list[tuple[Run, int | None]] = [(child, None) for child in root.children.values()]
+            while stack:
+                node, parent = stack.pop()
+                blocks = node.blocks.tolist()
+                yield namespace, parent, blocks
+                stack.extend((child, blocks[-1]) for child in node.children.values())
 
     def path(self, block_id: int) -> list[int]:
         """Block ids from the namespace root down to ``block_id`` (inclusive). O(depth).

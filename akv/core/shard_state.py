@@ -9,7 +9,8 @@ The step's phases are grouped by responsibility in mixins, one module each:
 validation and invariant checks (:mod:`akv.core.checks`), commit and publish
 (:mod:`akv.core.publish`), appends, decode and metadata
 (:mod:`akv.core.decode`), admissions (:mod:`akv.core.admission`), room and
-eviction (:mod:`akv.core.room`). This module holds the state, the step's
+eviction (:mod:`akv.core.room`), snapshot export and import
+(:mod:`akv.core.shard_export`). This module holds the state, the step's
 order of phases, fork and free.
 
 Every public mutation validates its whole input before changing anything, so
@@ -34,6 +35,7 @@ from akv.core.radix_tree import RadixTree
 from akv.core.reservation import reserved_blocks
 from akv.core.room import ShardRoom
 from akv.core.sequence import Sequence
+from akv.core.shard_export import ShardExports
 from akv.core.step import StepOutcome, StepRequest
 from akv.errors import UnknownSequence
 
@@ -59,7 +61,7 @@ class ShardCounters:
     resumed_cached_tokens: int = 0
 
 
-class ShardState(ShardChecks, ShardPublishing, ShardAppends, ShardRoom, ShardAdmission):
+class ShardState(ShardChecks, ShardPublishing, ShardAppends, ShardExports, ShardRoom, ShardAdmission):
     """Sequences and blocks of one shard.
 
     Token ids are stored per block, beside the K/V they stand for:

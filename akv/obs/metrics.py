@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -110,6 +110,10 @@ class _SnapshotCollector(Collector):
         yield depth
 
 
+#: Buckets of the snapshot save and load histograms (seconds).
+SNAPSHOT_BUCKETS_S = (0.001, 0.01, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
 class ManagerMetrics:
     """The registry of one manager and the histograms it observes.
 
@@ -122,6 +126,10 @@ class ManagerMetrics:
         step_latency_s: Histogram of ``KVCacheManager.step`` wall time (seconds).
         eviction_batch_s: Histogram of one eviction-loop batch (seconds).
         copy_bytes: Histogram of bytes per submitted copy batch.
+        snapshot_save_s, snapshot_load_s: Histograms of snapshot saves and
+            loads (seconds, see :mod:`akv.manager_snapshot`).
+        snapshot_blocks: Counter of snapshot blocks by ``op`` (saved, loaded, dropped).
+        snapshot_refusals: Counter of snapshots refused on load, by ``cause``.
     """
 
     def __init__(self, read: Callable[[], MetricsSnapshot]) -> None:
@@ -143,5 +151,26 @@ class ManagerMetrics:
             "akv_copy_bytes",
             "Bytes per submitted copy-on-write batch (block bytes times blocks).",
             buckets=COPY_BYTES_BUCKETS,
+            registry=self.registry,
+        )
+        self.snapshot_save_s = Histogram(
+            "akv_snapshot_save_seconds",
+            "Wall time of one save_snapshot.",
+            buckets=SNAPSHOT_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.snapshot_load_s = Histogram(
+            "akv_snapshot_load_seconds",
+            "Wall time of one load_snapshot.",
+            buckets=SNAPSHOT_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.snapshot_blocks = Counter(
+            "akv_snapshot_blocks", "Snapshot blocks saved, loaded or dropped.", ["op"], registry=self.registry
+        )
+        self.snapshot_refusals = Counter(
+            "akv_snapshot_refusals",
+            "Snapshots refused on load, by SnapshotError cause.",
+            ["cause"],
             registry=self.registry,
         )

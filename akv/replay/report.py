@@ -62,6 +62,8 @@ def print_summary(report: ReplayReport, config: KVCacheConfig, trace: Path) -> N
         ("simulated time", f"{report.simulated_s:,.1f} s"),
         ("wall time", f"{report.wall_s:,.2f} s"),
     ]
+    if report.warm_start_blocks:
+        rows.append(("warm start (blocks, seconds)", f"{report.warm_start_blocks:,} in {report.warm_start_s:,.2f} s"))
     for name, value in rows:
         table.add_row(name, value)
     Console().print(table)

@@ -80,6 +80,10 @@ class ReplayOptions:
             raise ValueError("max_output_tokens must be >= 0")
 
 
+#: Fields of :class:`ReplayReport` left out of its JSON (per request or per sample).
+_PER_REQUEST = ("cached_tokens_per_request", "admitted_unix_s_per_request", "timeline")
+
+
 @dataclass(kw_only=True, slots=True)
 class ReplayReport:
     """Numbers of one replay (units in the names; tokens unless named)."""
@@ -106,6 +110,11 @@ class ReplayReport:
     wall_s: float = 0.0
     step_latency_us: dict = field(default_factory=dict)
     cached_tokens_per_request: list = field(default_factory=list)
+    #: ``time.time()`` of each request's first admission (0.0: never admitted), by position.
+    admitted_unix_s_per_request: list = field(default_factory=list)
+    #: Blocks a ``--warm-start`` snapshot loaded before the first request, and the seconds it took.
+    warm_start_blocks: int = 0
+    warm_start_s: float = 0.0
     #: Samples of (simulated_s, blocks per state, hit rate, evictions, preemptions),
     #: when ``ReplayOptions.timeline_every_steps`` is set.
     timeline: list = field(default_factory=list)
@@ -114,7 +123,7 @@ class ReplayReport:
 
     def as_json(self) -> dict:
         """The report as JSON-ready data (without the per-request list and the timeline)."""
-        out = {f: getattr(self, f) for f in self.__slots__ if f not in ("cached_tokens_per_request", "timeline")}
+        out = {f: getattr(self, f) for f in self.__slots__ if f not in _PER_REQUEST}
         if self.final_cached_blocks is None:
             del out["final_cached_blocks"]
         return out
@@ -170,6 +179,7 @@ async def replay(
     vocab = cfg.vocab_size
     report = ReplayReport(requests=len(requests), num_blocks=cfg.num_blocks, block_size=cfg.block_size)
     report.cached_tokens_per_request = [0] * len(requests)
+    report.admitted_unix_s_per_request = [0.0] * len(requests)
     waiting: deque[tuple[int, np.ndarray | None]] = deque()  # (request index, resume tokens)
     arrivals = deque(range(len(requests)))
     running: dict[str, _Running] = {}
@@ -217,7 +227,7 @@ async def replay(
                         trace_block_tokens=options.trace_block_tokens,
                         seed=options.seed,
                     ),
-                    synthesize_output(index, out_len(req), vocab_size=vocab, seed=options.seed).tolist(),
+                    synthesize_output(req.index, out_len(req), vocab_size=vocab, seed=options.seed).tolist(),
                 )
             prompt, outputs = synthesized[index]
             tokens = prompt if resume is None else np.concatenate([prompt, resume])
@@ -289,6 +299,7 @@ async def replay(
                     report.prompt_tokens += r.prompt_len
                     report.cached_tokens += cached
                     report.cached_tokens_per_request[index] = cached
+                    report.admitted_unix_s_per_request[index] = time.time()
                 running[r.seq_id] = r
                 order.append(r.seq_id)
                 if r.generated < r.output_len:
