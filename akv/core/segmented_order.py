@@ -44,7 +44,19 @@ class SegmentedOrder(HitCounts):
         num_blocks: Blocks in the pool.
     """
 
-    __slots__ = ("_heads", "_lanes", "_mask", "_shift", "_size", "_stale", "_stamp", "_tick", "_tick_max", "policy")
+    __slots__ = (
+        "_from_deferred",
+        "_heads",
+        "_lanes",
+        "_mask",
+        "_shift",
+        "_size",
+        "_stale",
+        "_stamp",
+        "_tick",
+        "_tick_max",
+        "policy",
+    )
 
     def __init__(self, first_block_id: int, num_blocks: int) -> None:
         self.policy = EVICTION_POLICIES["slru"]
@@ -60,6 +72,7 @@ class SegmentedOrder(HitCounts):
         self._tick_max = (1 << (62 - self._shift)) - num_blocks  # then renumber (see _compact), so entries fit int64
         self._size = 0
         self._stale = 0
+        self._from_deferred: set[int] | tuple = ()  # blocks the last pop_first took from the evict-last lane
 
     def __len__(self) -> int:
         return self._size
@@ -141,6 +154,7 @@ class SegmentedOrder(HitCounts):
         mask, stamp, heads = self._mask, self._stamp, self._heads
         parts: list[np.ndarray] = []
         taken = stale = 0
+        self._from_deferred = ()
         for li, lane in enumerate(self._lanes):
             h = heads[li]
             while taken < max_blocks and h < len(lane):
@@ -154,6 +168,8 @@ class SegmentedOrder(HitCounts):
                 stamp[off] = 0
                 parts.append(off)
                 taken += len(off)
+                if li == 2 and len(off):
+                    self._from_deferred = {*self._from_deferred, *(off + self.base).tolist()}
             self._advance(li, h)
         self._stale -= stale
         self._size -= taken
@@ -166,9 +182,11 @@ class SegmentedOrder(HitCounts):
         base, mask, stamp = self.base, self._mask, memoryview(self._stamp)
         out: list[int] = []
         stale = 0
+        self._from_deferred = ()
         for li, lane in enumerate(self._lanes):
             h = self._heads[li]
             kept: list[int] = []
+            first = len(out)
             while len(out) < max_blocks and h < len(lane):
                 e = lane[h]
                 h += 1
@@ -183,16 +201,25 @@ class SegmentedOrder(HitCounts):
             if kept:  # they were taken from just before the new head: they go back there
                 h -= len(kept)
                 lane[h : h + len(kept)] = kept
+            if li == 2 and len(out) > first:
+                self._from_deferred = set(out[first:])
             self._advance(li, h)
         self._stale -= stale
         self._size -= len(out)
         return out
 
     def restore(self, block_ids: list[int]) -> None:
-        """Put blocks taken by :meth:`pop_first` back at the head of their segment, in their old order."""
-        hits, base = self.hits, self.base
-        for li, hit in ((1, True), (0, False)):
-            front = [b for b in block_ids if bool(hits[b - base]) is hit]
+        """Put blocks taken by the last :meth:`pop_first` back at the head of their segment, in their old order.
+
+        A block taken from the evict-last lane goes back to that lane's head
+        (as :class:`~akv.core.eviction_policy.KeyedOrder` restores its old entry).
+        """
+        hits, base, deferred = self.hits, self.base, self._from_deferred
+        for li, hit in ((2, None), (1, True), (0, False)):
+            if li == 2:
+                front = [b for b in block_ids if b in deferred]
+            else:
+                front = [b for b in block_ids if b not in deferred and bool(hits[b - base]) is hit]
             if front:
                 entries = self._entries(front)  # first: it may compact, which moves the heads
                 h = self._heads[li]
