@@ -103,14 +103,17 @@ def _forks(forks: Iterable[tuple[Hashable, Sequence[Hashable]]]) -> list[tuple[H
     """The caller's ``(parent_id, child_ids)`` pairs with plain ids.
 
     Raises:
-        InvalidInput: Not a collection of pairs, or an id that is not plain.
+        InvalidInput: Not a collection of pairs, an id that is not plain, or no child ids.
     """
     fork_list = []
     for item in items(forks, "forks"):
         if type(item) not in (tuple, list) or len(item) != 2:
             raise InvalidInput(f"forks must hold (parent_id, child_ids) pairs, got {describe(item)}")
         parent = plain_id(item[0], "fork parent id")
-        fork_list.append((parent, tuple(ids(item[1], f"child ids of {parent!r}"))))
+        children = tuple(ids(item[1], f"child ids of {parent!r}"))
+        if not children:  # it would earmark a copy-on-write block for no child
+            raise InvalidInput(f"a fork of {parent!r} needs at least one child id")
+        fork_list.append((parent, children))
     return fork_list
 
 

@@ -114,7 +114,7 @@ class SequenceCalls:
 
         Raises:
             InvalidInput: An id is not a plain value, or ``child_ids`` is not a
-                collection of ids.
+                collection of ids or is empty.
             UnknownSequence: ``seq_id`` is not live.
             DuplicateSequence: A child id is live or repeated.
         """

@@ -426,3 +426,17 @@ def test_arbitrary_values_at_every_public_method_are_accepted_or_invalid_input(t
 
         run()
         portal.call(kv.check)
+
+
+@pytest.mark.anyio
+async def test_a_fork_into_no_child_is_refused_and_earmarks_nothing(tiny_config) -> None:
+    # Found by a review: fork(seq, []) was accepted and earmarked a copy-on-write block for no child.
+    async with KVCacheManager(tiny_config()) as kv:
+        await kv.step(admits=[Admit(seq_id="a", prompt=list(range(1, 20)), max_new_tokens=2)])
+        before = await kv.stats()
+        with pytest.raises(InvalidInput, match="at least one child"):
+            await kv.fork("a", [])
+        with pytest.raises(InvalidInput, match="at least one child"):
+            await kv.step(forks=[("a", ())])
+        assert await kv.stats() == before
+        await kv.check()
