@@ -203,6 +203,8 @@ _PATH_ARGS = (
     ("metrics_out", "--metrics-out"),
     ("log_json", "--log-json"),
     ("plot", "--plot"),
+    ("events_out", "--events-out"),
+    ("requests_out", "--requests-out"),
 )
 
 

@@ -445,3 +445,20 @@ def test_two_path_arguments_naming_one_file_exit_2_and_touch_nothing(tmp_path, m
     assert err[0].endswith(": give each its own path")
     assert trace.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--json", "{d}/same.out", "--events-out", "{d}/same.out"],
+        ["--requests-out", "{d}/a.jsonl", "--log-json", "{d}/./a.jsonl"],
+    ],
+)
+def test_two_outputs_naming_one_file_exit_2(options, tmp_path: Path, restore_logging, capsys) -> None:
+    # Found by a review: the report silently replaced the event stream written to the same path.
+    args = [o.format(d=tmp_path) for o in options]
+    assert main(["replay", "--limit", "5", *FAST, *args]) == 2
+    captured = capsys.readouterr()
+    assert "name the same file" in captured.err
+    _no_traceback(captured)
+    assert not list(tmp_path.iterdir())  # refused before anything was written
