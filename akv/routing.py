@@ -137,9 +137,8 @@ class CacheAwareRouter:
             Whether the instance's index is current after the last batch.
 
         Raises:
-            InvalidInput: A malformed line, or a batch :meth:`apply` refuses
-                (the batches before it stay applied).
-            OSError: The file cannot be read.
+            InvalidInput: The file cannot be read, a malformed line, or a
+                batch :meth:`apply` refuses (the batches before it stay applied).
         """
         index = self.index(instance)
         for batch in read_jsonl(path):

@@ -227,3 +227,18 @@ def test_a_line_that_is_not_json_names_its_line(tmp_path: Path) -> None:
 def test_events_validate_their_fields(make) -> None:
     with pytest.raises(InvalidInput):
         make()
+
+
+def test_an_unreadable_events_file_is_invalid_input(tmp_path) -> None:
+    # Found by a review: a missing file raised a plain FileNotFoundError from the router.
+    from akv.routing import CacheAwareRouter
+
+    router = CacheAwareRouter(block_size=16)
+    router.add_instance("a")
+    for path in (tmp_path / "missing.jsonl", tmp_path):
+        with pytest.raises(InvalidInput, match="cannot read the events file"):
+            router.apply_jsonl("a", path)
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(b"\xff\xfe not utf-8\n")
+    with pytest.raises(InvalidInput, match=r"latin1\.jsonl:1"):
+        list(read_jsonl(bad))

@@ -205,12 +205,16 @@ def read_jsonl(path: str | Path) -> Iterator[EventBatch]:
         Each line's batch, in file order.
 
     Raises:
-        InvalidInput: A line is not JSON or not a well-formed batch (the
-            message names ``path:line``).
-        OSError: The file cannot be read.
+        InvalidInput: The file cannot be opened or read (missing, a
+            directory, not UTF-8), or a line is not JSON or not a well-formed
+            batch (the message names ``path:line``).
     """
-    with open(path, encoding="utf-8") as file:
-        for number, line in enumerate(file, 1):
+    try:
+        file = open(path, encoding="utf-8")  # noqa: SIM115 - closed below; opening is what may fail
+    except OSError as exc:
+        raise InvalidInput(f"{path}: cannot read the events file: {exc.strerror or exc}") from None
+    with file:
+        for number, line in _lines(file, path):
             if not line.strip():
                 continue
             try:
@@ -218,3 +222,13 @@ def read_jsonl(path: str | Path) -> Iterator[EventBatch]:
             except (ValueError, RecursionError) as exc:  # json's errors, and InvalidInput (a ValueError)
                 raise InvalidInput(f"{path}:{number}: {exc}") from None
             yield batch
+
+
+def _lines(file, path: str | Path) -> Iterator[tuple[int, str]]:
+    """``(line number, line)`` of an open text file; a read error is :class:`~akv.errors.InvalidInput`."""
+    number = 0
+    try:
+        for number, line in enumerate(file, 1):
+            yield number, line
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"{path}:{number + 1}: cannot read the events file: {exc}") from None
