@@ -56,3 +56,24 @@ def test_every_emitted_event_is_in_the_catalog() -> None:
     assert emitted  # the scan works
     missing = sorted(e for e in emitted if f"`{e}`" not in catalog)
     assert not missing, f"events missing from docs/logging.md: {missing}"
+
+
+def test_a_level_configured_after_import_silences_snapshot_and_copy_logs(tmp_path) -> None:
+    # Found while checking the README: loggers bound at import time ignored the application's
+    # later configure_logging(level=...), so snapshot.saved was printed at level "error".
+    import subprocess
+    import sys
+
+    script = (
+        "import anyio, akv.obs\n"
+        "from akv import KVCacheConfig, KVCacheManager, Admit\n"
+        "async def main():\n"
+        "    akv.obs.configure_logging(level='error')\n"
+        "    async with KVCacheManager(KVCacheConfig(num_blocks=64)) as kv:\n"
+        "        await kv.step(admits=[Admit(seq_id='a', prompt=list(range(40)), prefill_done=True)])\n"
+        f"        await kv.save_snapshot({str(tmp_path / 'snap')!r})\n"
+        "anyio.run(main)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert (tmp_path / "snap" / "CURRENT").exists()
+    assert "snapshot.saved" not in out.stdout + out.stderr

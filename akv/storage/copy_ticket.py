@@ -19,7 +19,9 @@ import anyio.lowlevel
 import structlog
 import torch
 
-log = structlog.get_logger("akv").bind(component="stream_worker")
+log = structlog.get_logger(
+    "akv", component="stream_worker"
+)  # lazy: bound at first use, after the application configured structlog
 
 
 class CopyTicket:

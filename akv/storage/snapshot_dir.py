@@ -60,7 +60,9 @@ ReadBlocks = Callable[[int, np.ndarray], torch.Tensor]
 #: Default bytes of K/V asked of ``read_blocks`` per call.
 DEFAULT_BATCH_BYTES = 32 << 20
 
-log = structlog.get_logger("akv").bind(component="snapshot")
+log = structlog.get_logger(
+    "akv", component="snapshot"
+)  # lazy: bound at first use, after the application configured structlog
 
 
 def _no_progress(point: str) -> None:
