@@ -104,7 +104,8 @@ class ShardAppends:
         else:
             rows = np.fromiter(map(self.rows.__getitem__, ids), dtype=np.intp, count=n)
         pos = tables.num_tokens[rows]
-        new_block = pos % bs == 0
+        cols, offsets = np.divmod(pos, bs)
+        new_block = offsets == 0
         # Shared tails come only from forks: with none in the table, skip the per-row flags.
         any_shared = bool(tables.shared_tail.any())
         maybe_shared = np.flatnonzero(tables.shared_tail[rows] & ~new_block).tolist() if any_shared else []
@@ -136,9 +137,9 @@ class ShardAppends:
                 self._copy_on_write(ids[i], r, out)
         if num_new:
             grow = rows[new_block]
-            cols = pos[new_block] // bs
-            tables.ensure_cols(int(cols[-1] if num_new == 1 else cols.max()) + 1)
-            tables.array[grow, cols] = pool.allocate(num_new)
+            new_cols = cols[new_block]
+            tables.ensure_cols(int(new_cols[-1] if num_new == 1 else new_cols.max()) + 1)
+            tables.array[grow, new_cols] = pool.allocate(num_new)
             tables.lens[grow] += 1
             self.table_refs += num_new
             self.counters.blocks_allocated += num_new
@@ -147,7 +148,7 @@ class ShardAppends:
         if released:
             tables.cow_reserved[rows] = False
             self.num_reserved -= released
-        slots = tables.array[rows, pos // bs].astype(np.int64) * bs + pos % bs
+        slots = tables.array[rows, cols].astype(np.int64) * bs + offsets
         self._flat_tokens[slots - self._first_slot] = np.fromiter(values, dtype=np.int64, count=n)
         tables.num_tokens[rows] = pos + 1
         return ids, rows, pos, slots
