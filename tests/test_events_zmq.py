@@ -112,11 +112,14 @@ async def test_a_gap_is_published_as_its_own_message_and_run_ends_with_the_hub(c
     assert {task.id for task in anyio.get_running_tasks()} == before
 
 
-async def test_closing_the_publisher_stops_it_and_leaves_no_task() -> None:
+async def test_closing_the_publisher_stops_it_and_leaves_no_task(context) -> None:
     hub = EventHub()
     before = {task.id for task in anyio.get_running_tasks()}
     async with ZmqEventPublisher(hub.subscribe(), ENDPOINT, replay_endpoint=ENDPOINT) as pub:
         hub.publish([AllBlocksCleared()])
+        with _socket(context, zmq.DEALER, pub.replay_address) as dealer:
+            dealer.send_multipart([b"", b"not 8 bytes"])  # malformed: answered with END_SEQ, not silence
+            assert await _recv(dealer) == [b"", END_SEQ, b""]
     assert {task.id for task in anyio.get_running_tasks()} == before
     assert hub.num_subscribers == 0  # its subscription was closed
     with pytest.raises(InvalidInput, match="runs once"):
