@@ -8,8 +8,11 @@ mappings, and checks what the block tables read back.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
+import sys
 from collections.abc import Hashable
 
+import pytest
 import torch
 
 from akv import Admit, KVCacheManager
@@ -126,3 +129,17 @@ async def publish(kv: KVCacheManager, sid: Hashable, prompt: list[int], *, free:
     await kv.commit(sid, len(prompt))
     if free:
         assert await kv.free(sid) is True
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Run every anyio test of a module that imports this fixture on asyncio and on trio."""
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def watchdog():
+    """Last resort against a hang inside a shielded wait (fail_after cannot cancel those); autouse where imported."""
+    faulthandler.dump_traceback_later(120, exit=True, file=sys.__stderr__)
+    yield
+    faulthandler.cancel_dump_traceback_later()

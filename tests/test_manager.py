@@ -9,9 +9,6 @@ shielded wait ever hang beyond it.
 
 from __future__ import annotations
 
-import faulthandler
-import sys
-
 import anyio
 import numpy as np
 import pytest
@@ -22,23 +19,16 @@ from akv.errors import (
     DuplicateSequence,
     UnknownSequence,
 )
-from tests.manager_helpers import BS, Runner, publish, state_view
+from tests.manager_helpers import (  # noqa: F401 - anyio_backend and watchdog are this module's fixtures
+    BS,
+    Runner,
+    anyio_backend,
+    publish,
+    state_view,
+    watchdog,
+)
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    """Run every anyio test of this module on asyncio and on trio."""
-    return request.param
-
-
-@pytest.fixture(autouse=True)
-def _watchdog():
-    """Last resort against a hang inside a shielded wait (fail_after cannot cancel those)."""
-    faulthandler.dump_traceback_later(120, exit=True, file=sys.__stderr__)
-    yield
-    faulthandler.cancel_dump_traceback_later()
 
 
 # -------------------------------------------------------------- public calls
