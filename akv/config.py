@@ -221,6 +221,16 @@ class KVCacheConfig:
             ``snapshot.refused`` warning unless ``require_snapshot``.
         require_snapshot: With ``load_on_enter``, a refused snapshot raises
             :class:`~akv.errors.SnapshotError` from entry instead.
+        host_blocks: Blocks of the host-memory tier (all shards together; 0,
+            the default: no host tier). Cached blocks that eviction picks are
+            demoted there instead of dropped, prefix hits on them are promoted
+            back, and preempted sequences can be swapped out to it (see
+            docs/host_tier.md). With ``storage == "tensors"`` it is a host
+            torch pool of the device pool's layout (pinned memory when the
+            device is CUDA); with ``"none"`` it is modelled in metadata only.
+        host_gib: The host tier's size in GiB instead of ``host_blocks``
+            (``floor(host_gib * 2**30 / bytes_per_block)`` blocks); a real
+            number > 0, or ``None``. Give at most one of the two.
 
     Types are exact: counts are ``int`` (numpy integers are made ``int``) in
     ``[1, limit]`` (:data:`MAX_NUM_BLOCKS` for ``num_blocks``,
@@ -259,6 +269,8 @@ class KVCacheConfig:
     save_on_exit: bool = False
     load_on_enter: bool = False
     require_snapshot: bool = False
+    host_blocks: int = 0
+    host_gib: float | None = None
 
     def __post_init__(self) -> None:
         limits = {
@@ -299,6 +311,7 @@ class KVCacheConfig:
         if type(self.model) is not ModelShape:
             raise InvalidInput(f"model must be a ModelShape, got {type(self.model).__name__}")
         _snapshot_fields(self)
+        _host_fields(self)
 
     def watermark_blocks(self, shard_blocks: int) -> tuple[float, int]:
         """The eviction loop's thresholds for a shard of ``shard_blocks`` blocks, in free blocks.
@@ -351,13 +364,29 @@ class KVCacheConfig:
 
     def shard_ranges(self) -> list[range]:
         """Contiguous block-id range of each shard, sizes differing by at most one."""
-        base, extra = divmod(self.num_blocks, self.num_shards)
-        ranges, start = [], 0
-        for shard in range(self.num_shards):
-            size = base + (1 if shard < extra else 0)
-            ranges.append(range(start, start + size))
-            start += size
-        return ranges
+        return _split(0, self.num_blocks, self.num_shards)
+
+    @property
+    def num_host_blocks(self) -> int:
+        """Blocks of the host tier (``host_blocks``, or ``host_gib`` converted; 0: no host tier)."""
+        if self.host_gib is None:
+            return self.host_blocks
+        return int(self.host_gib * 2**30 // self.bytes_per_block)
+
+    @property
+    def host_block_base(self) -> int:
+        """Id of host slot 0 in the prefix tree: ``num_blocks + 1``, right after the null block.
+
+        Host slots and device blocks share one id space in the tree (a cached
+        block's id says where it is: below :attr:`null_block_id` a device
+        block, from here on host slot ``id - host_block_base``), so a block
+        that changes tier keeps its node and only changes its id there.
+        """
+        return self.num_blocks + 1
+
+    def host_shard_ranges(self) -> list[range]:
+        """Each shard's contiguous range of host-tier ids (from :attr:`host_block_base`), sizes differing by at most one."""
+        return _split(self.host_block_base, self.num_host_blocks, self.num_shards)
 
     def fingerprint(self) -> dict:
         """What decides whether cached K/V and block keys made under this configuration can be reused.
@@ -394,6 +423,39 @@ class KVCacheConfig:
         """
         text = json.dumps(self.fingerprint(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def _split(start: int, total: int, parts: int) -> list[range]:
+    """``total`` ids from ``start`` in ``parts`` contiguous ranges, sizes differing by at most one."""
+    base, extra = divmod(total, parts)
+    ranges = []
+    for part in range(parts):
+        size = base + (1 if part < extra else 0)
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges
+
+
+def _host_fields(config: KVCacheConfig) -> None:
+    """Validate (and normalize) ``host_blocks`` and ``host_gib``."""
+    value = config.host_blocks
+    if type(value) in NUMPY_INTEGER_TYPES:
+        value = int(value)
+        object.__setattr__(config, "host_blocks", value)
+    if type(value) is not int or not 0 <= value <= MAX_NUM_BLOCKS:
+        raise InvalidInput(f"host_blocks must be an int in [0, {MAX_NUM_BLOCKS:,}], got {describe(value)}")
+    gib = config.host_gib
+    if gib is not None:
+        if type(gib) not in _FLOAT_TYPES or not 0 < float(gib) < 2**40:
+            raise InvalidInput(f"host_gib must be None or a real number in (0, 2**40), got {describe(gib)}")
+        object.__setattr__(config, "host_gib", float(gib))
+        if value:
+            raise InvalidInput("give host_blocks or host_gib, not both")
+    num = config.num_host_blocks
+    if num > MAX_NUM_BLOCKS:
+        raise InvalidInput(f"host_gib={gib} gives {num:,} host blocks, more than {MAX_NUM_BLOCKS:,}")
+    if 0 < num < config.num_shards:
+        raise InvalidInput(f"a host tier of {num} blocks cannot be split over {config.num_shards} shards")
 
 
 def _snapshot_fields(config: KVCacheConfig) -> None:

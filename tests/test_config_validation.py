@@ -310,3 +310,34 @@ async def test_leaving_managers_out_of_order_is_wrong_exit_order_and_leaks_nothi
         async with KVCacheManager(tiny_config()) as inner:
             await inner.add_sequence("a", [1])
         await kv.add_sequence("a", [1])
+
+
+# --------------------------------------------------------------------------- host tier fields
+
+
+def test_host_tier_size_is_host_blocks_or_host_gib_and_split_over_shards() -> None:
+    assert build().num_host_blocks == 0
+    cfg = build(num_blocks=100, num_shards=3, host_blocks=np.int64(10))
+    assert cfg.host_blocks == 10 and type(cfg.host_blocks) is int
+    assert cfg.host_block_base == 101  # right after the null block
+    assert cfg.host_shard_ranges() == [range(101, 105), range(105, 108), range(108, 111)]
+    gib = build(num_blocks=100, host_gib=1)
+    assert gib.num_host_blocks == 2**30 // gib.bytes_per_block and gib.host_gib == 1.0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (dict(host_blocks=-1), "host_blocks must be"),
+        (dict(host_blocks=1.0), "host_blocks must be"),
+        (dict(host_blocks=True), "host_blocks must be"),
+        (dict(host_gib=0), "host_gib must be"),
+        (dict(host_gib=float("nan")), "host_gib must be"),
+        (dict(host_gib="1"), "host_gib must be"),
+        (dict(host_gib=1, host_blocks=3), "not both"),
+        (dict(host_blocks=2, num_shards=3, num_blocks=30), "cannot be split"),
+    ],
+)
+def test_bad_host_tier_sizes_are_invalid_input(overrides: dict, match: str) -> None:
+    with pytest.raises(InvalidInput, match=match):
+        build(**overrides)
