@@ -53,6 +53,7 @@ from akv.manager_results import metrics_snapshot, step_result
 from akv.manager_sequence_move import SequenceMoves
 from akv.manager_sequences import SequenceCalls
 from akv.manager_snapshot import ManagerSnapshots
+from akv.manager_tiers import TierCalls
 from akv.obs.metrics import ManagerMetrics, MetricsSnapshot
 from akv.obs.tracing import AkvTracer
 from akv.results import StepResult
@@ -64,7 +65,7 @@ __all__ = ["Admit", "KVCacheManager"]
 _BACKGROUND = ("eviction_loop", "stream_worker")
 
 
-class KVCacheManager(SequenceCalls, ManagerQueries, ManagerEvents, ManagerSnapshots, SequenceMoves):
+class KVCacheManager(SequenceCalls, ManagerQueries, ManagerEvents, ManagerSnapshots, SequenceMoves, TierCalls):
     """Paged KV cache manager run by asyncio actors (anyio).
 
     Use it as an async context manager; it starts its actors (prefix tree,
@@ -124,6 +125,7 @@ class KVCacheManager(SequenceCalls, ManagerQueries, ManagerEvents, ManagerSnapsh
             batch_seconds=self._metrics.eviction_batch_s,
             tracer=self._tracer,
         )
+        host_ranges = cfg.host_shard_ranges()
         for index, block_ids in enumerate(cfg.shard_ranges()):
             try:
                 state = ShardState(
@@ -133,6 +135,9 @@ class KVCacheManager(SequenceCalls, ManagerQueries, ManagerEvents, ManagerSnapsh
                     enable_prefix_cache=cfg.enable_prefix_cache,
                     eviction_policy=cfg.eviction_policy,
                     null_block_id=cfg.null_block_id,
+                    host_ids=host_ranges[index],
+                    host_base=cfg.host_block_base,
+                    sync_copies=self.storage is None,
                 )
             except MemoryError:
                 self._shards.clear()

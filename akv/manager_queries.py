@@ -16,8 +16,8 @@ from collections.abc import Hashable
 from typing import Any
 
 from akv.actors.messages import Check, Evict, Inspect, InspectBlock, Lookup, Stats
-from akv.actors.pool_shard import SequenceInfo
 from akv.actors.shard_snapshot import ShardSnapshot
+from akv.actors.shard_views import SequenceInfo
 from akv.core.ids import NUMPY_INTEGER_TYPES, describe, plain_id
 from akv.core.tokens import as_token_array
 from akv.errors import InvalidInput

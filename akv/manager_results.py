@@ -107,6 +107,30 @@ def cache_stats(
         resumed_prompt_tokens=sum(x.resumed_prompt_tokens for x in c),
         resumed_cached_tokens=sum(x.resumed_cached_tokens for x in c),
         reserved_blocks=sum(s.reserved for s in shard_stats),
+        **_host_stats(shard_stats, c, cached),
+    )
+
+
+def _host_stats(shard_stats: list[ShardSnapshot], c: list, cached: int) -> dict[str, int]:
+    """The host-tier fields of :class:`CacheStats`, summed over the shards."""
+    free, host_cached, swapped, in_flight = (sum(s.host[i] for s in shard_stats) for i in range(4))
+    host_hits = sum(x.host_hit_tokens for x in c)
+    total = free + host_cached + swapped + in_flight
+    return dict(
+        host_blocks=total,
+        host_free=free,
+        host_cached=host_cached,
+        host_swapped=swapped,
+        host_in_flight=in_flight,
+        host_in_use=total - free,
+        device_hit_tokens=cached - host_hits,
+        host_hit_tokens=host_hits,
+        demoted_blocks=sum(x.demoted_blocks for x in c),
+        promoted_blocks=sum(x.promoted_blocks for x in c),
+        host_evicted_blocks=sum(x.host_evicted for x in c),
+        swapped_out=sum(x.swapped_out for x in c),
+        swapped_in=sum(x.swapped_in for x in c),
+        num_swapped=sum(s.num_swapped for s in shard_stats),
     )
 
 

@@ -130,6 +130,18 @@ class CacheStats:
         eviction_loop_batches, eviction_loop_blocks: Work of the background loop.
         max_inbox_depth: Actor name -> highest inbox depth seen (messages).
         pool_bytes: Bytes of K/V tensors (0 in metadata mode).
+        host_blocks: Blocks of the host tier (0: none; see docs/host_tier.md).
+        host_free, host_cached, host_swapped, host_in_flight: Host blocks
+            per state (cached: in the prefix cache on the host; swapped: held
+            by swapped-out sequences); they add up to ``host_blocks``.
+        host_in_use: ``host_blocks - host_free``.
+        device_hit_tokens, host_hit_tokens: ``cached_tokens`` split by the
+            tier that served them (a host hit is promoted to the device).
+        demoted_blocks, promoted_blocks: Blocks moved device -> host by
+            eviction and host -> device by prefix hits (monotonic).
+        host_evicted_blocks: Blocks the host tier dropped for room (monotonic).
+        swapped_out, swapped_in: Sequences swapped out and in (monotonic);
+            ``num_swapped`` are swapped out now.
     """
 
     num_blocks: int
@@ -162,6 +174,20 @@ class CacheStats:
     resumed_prompt_tokens: int = 0
     resumed_cached_tokens: int = 0
     reserved_blocks: int = 0
+    host_blocks: int = 0
+    host_free: int = 0
+    host_cached: int = 0
+    host_swapped: int = 0
+    host_in_flight: int = 0
+    host_in_use: int = 0
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    demoted_blocks: int = 0
+    promoted_blocks: int = 0
+    host_evicted_blocks: int = 0
+    swapped_out: int = 0
+    swapped_in: int = 0
+    num_swapped: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -95,8 +95,9 @@ class EvictionLoop:
 
     async def _relieve(self, shard: PoolShardActor) -> None:
         high = shard.high_free_blocks
-        while not self._stopping and shard.snapshot.num_free < high:
-            want = min(self.batch_blocks, high - shard.snapshot.num_free)
+        # Blocks being demoted to a host tier are free once their copy completed: count them as free already.
+        while not self._stopping and (free := shard.snapshot.num_free + shard.snapshot.demoting) < high:
+            want = min(self.batch_blocks, high - free)
             before = 1.0 - shard.snapshot.free_fraction
             with self.tracer.span("akv.evict_batch") as span:
                 t0 = time.perf_counter()

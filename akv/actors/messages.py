@@ -105,6 +105,20 @@ class Evict:
 
 
 @dataclass(frozen=True, slots=True)
+class SwapOut:
+    """Swap live ``seq_id`` out to the host tier; reply ``(blocks, copy ticket or None)`` (see :mod:`akv.core.swap`)."""
+
+    seq_id: Hashable
+
+
+@dataclass(frozen=True, slots=True)
+class SwapIn:
+    """Swap ``seq_id`` back in from the host tier; reply ``(blocks, copy ticket or None)``."""
+
+    seq_id: Hashable
+
+
+@dataclass(frozen=True, slots=True)
 class Retire:
     """Retire the prefix cache of ``namespace`` (``cache_reset.ALL_NAMESPACES``: all); reply ``(retired, freed)``.
 

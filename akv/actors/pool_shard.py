@@ -34,62 +34,26 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import anyio
 
-from akv.actors.messages import Check, Evict, Inspect, InspectBlock, Lookup, Retire, Room, Stats, Step
+from akv.actors.messages import Check, Evict, Inspect, InspectBlock, Lookup, Retire, Room, Stats, Step, SwapIn, SwapOut
 from akv.actors.runtime import Actor
+from akv.actors.shard_copies import ShardCopies
 from akv.actors.shard_snapshot import ShardSnapshot, take_snapshot
+from akv.actors.shard_views import inspect_block, inspect_sequence
 from akv.actors.snapshot_messages import SnapshotCall
-from akv.core.block_key import chain_keys_raw, chain_suffix
-from akv.core.block_pool import STATE_NAMES
 from akv.core.cache_reset import ALL_NAMESPACES, retire_blocks
-from akv.core.reservation import row_reserved
 from akv.core.shard_state import ShardState
 from akv.core.step import StepOutcome, StepRequest
-from akv.errors import AkvError, InvalidInput, PoolExhausted
+from akv.errors import AkvError, PoolExhausted
 from akv.events.shard_events import EventSink, ShardEvents
 from akv.obs.tracing import AkvTracer
-from akv.results import BlockInfo
-from akv.storage.copy_ticket import loop_scheduler
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SequenceInfo:
-    """Snapshot of one sequence.
-
-    Attributes:
-        seq_id: The sequence.
-        shard: Its shard index.
-        num_tokens: Tokens in its history.
-        num_computed: Tokens committed by the runner.
-        num_cached_tokens: Prompt tokens served from the prefix cache at admission.
-        num_published_blocks: Leading blocks in the prefix cache as its own.
-        block_ids: Its block table (logical order).
-        token_ids: Its token history.
-        parent_id: Parent if forked.
-        max_tokens: Tokens its reservation covers (prompt plus
-            ``max_new_tokens``), or None without one.
-        reserved_blocks: Free blocks earmarked for it now.
-    """
-
-    seq_id: Hashable
-    shard: int
-    num_tokens: int
-    num_computed: int
-    num_cached_tokens: int
-    num_published_blocks: int
-    block_ids: tuple[int, ...]
-    token_ids: tuple[int, ...]
-    parent_id: Hashable | None
-    max_tokens: int | None = None
-    reserved_blocks: int = 0
-
-
-class PoolShardActor(Actor):
+class PoolShardActor(ShardCopies, Actor):
     """Owns a :class:`ShardState`.
 
     Args:
@@ -139,7 +103,7 @@ class PoolShardActor(Actor):
         self.debug_invariants = debug_invariants
         self.copy_bytes = copy_bytes
         self.tracer = tracer or AkvTracer()
-        self._pinned: list[tuple[Any, list[int]]] = []  # (ticket, source blocks)
+        self._pinned: list[tuple[Any, list[int], int | None]] = []  # (ticket, copy-on-write blocks, tier transfer)
         #: The shard's index (fixed).
         self.index = state.shard_index
         #: The counts after the last message served (see :mod:`akv.actors.shard_snapshot`):
@@ -178,18 +142,6 @@ class PoolShardActor(Actor):
         """Copy batches whose pins were not released after the last message (``snapshot.pinned_copies``)."""
         return self.snapshot.pinned_copies
 
-    def room_changed(self) -> anyio.Event:
-        """An event set once room may have grown (or the actor stopped); take it before asking :class:`Room`.
-
-        Set after the first later message that freed a sequence, evicted
-        blocks or raised :attr:`blocks_available`, or once a copy batch
-        finishes (its pins released, blocks may be free); a fresh event after that.
-        """
-        if self._room_event is None:
-            self._room_event = anyio.Event()
-            self._schedule = loop_scheduler()  # the waiters' loop, for wake-ups from the copy thread
-        return self._room_event
-
     def close(self) -> None:
         """Close as :meth:`Actor.close`, and wake the tasks waiting for room (their next ask fails)."""
         super().close()
@@ -199,11 +151,6 @@ class PoolShardActor(Actor):
         """Stop as :meth:`Actor.stop`, and wake the tasks waiting for room (their next ask fails)."""
         super().stop(error)
         self._wake_room()
-
-    def _wake_room(self) -> None:
-        if self._room_event is not None:
-            self._room_event.set()
-            self._room_event = None
 
     def handle(self, msg: Any) -> Any:
         """Serve :class:`Step`, :class:`Evict`, :class:`Retire`, :class:`Lookup`, :class:`Room`, :class:`Inspect`, :class:`InspectBlock`, :class:`Stats`, :class:`Check` or a snapshot message
@@ -221,13 +168,15 @@ class PoolShardActor(Actor):
             else:
                 self._vote(msg)
         elif isinstance(msg, Evict):
-            if self.events is None:
+            if self.events is None and self.state.host is None:
                 result = self.state.evict(msg.max_blocks)
             else:
                 out = StepOutcome()
                 result = self.state.evict(msg.max_blocks, out)
-                self.sink.emit(self.events.changed(out.removed_block_ids, []))
+                self._changed(out)
             self._room_hint = result > 0
+        elif isinstance(msg, (SwapOut, SwapIn)):
+            result = self._swap(msg)
         elif isinstance(msg, Retire):
             result = self._retire(msg)
         elif isinstance(msg, Room):
@@ -235,9 +184,9 @@ class PoolShardActor(Actor):
         elif isinstance(msg, Lookup):
             result = self.state.lookup(msg.namespace, msg.prompt)
         elif isinstance(msg, Inspect):
-            result = self._inspect(msg.seq_id)
+            result = inspect_sequence(self.state, msg.seq_id)
         elif isinstance(msg, InspectBlock):
-            result = self._inspect_block(msg.block_id)
+            result = inspect_block(self.state, msg.block_id)
         elif isinstance(msg, Check):
             self.state.check()
         elif isinstance(msg, SnapshotCall):
@@ -261,6 +210,31 @@ class PoolShardActor(Actor):
         if vote.complete:
             with self.sink.batch() if self.sink is not None else contextlib.nullcontext():
                 vote.finish(self)
+
+    def _changed(self, out: StepOutcome) -> Any:
+        """Submit the copies of a non-step change to the prefix cache and emit its events; the copy ticket or None."""
+        ticket = self._submit_copies(out) if out.copies or out.transfer is not None else None
+        if self.events is not None:
+            self.sink.emit(self.events.step_events(out))
+        return ticket
+
+    def _swap(self, msg: SwapOut | SwapIn) -> tuple[int, Any]:
+        """Swap a sequence out or in (:mod:`akv.core.swap`): ``(blocks, copy ticket or None)``."""
+        out = StepOutcome()
+        self._room_hint = True
+        try:
+            if isinstance(msg, SwapOut):
+                blocks = self.state.swap_out(msg.seq_id, out)
+            else:
+                blocks = self.state.swap_in(msg.seq_id, out)
+        except AkvError:
+            self._changed(out)  # refused, but room made by evicting stays made: its copies and events go out
+            raise
+        if isinstance(msg, SwapOut):
+            self.log.debug("sequence.swapped_out", seq_id=msg.seq_id, blocks=blocks)
+        else:
+            self.log.debug("sequence.swapped_in", seq_id=msg.seq_id, blocks=blocks)
+        return blocks, self._changed(out)
 
     def _retire(self, msg: Retire) -> tuple[int, int]:
         """Retire the prefix cache (all of it, or one namespace): ``(blocks retired, blocks freed now)``."""
@@ -291,7 +265,7 @@ class PoolShardActor(Actor):
         with self.tracer.span("akv.shard_step", context=msg.context) as span:
             allocated = self.state.counters.blocks_allocated
             outcome: StepOutcome = self.state.step(msg.request)
-            ticket = self._submit_copies(outcome) if outcome.copies else None
+            ticket = self._submit_copies(outcome) if outcome.copies or outcome.transfer is not None else None
             if self.events is not None:
                 self.sink.emit(self.events.step_events(outcome))
             if span.is_recording():
@@ -310,50 +284,6 @@ class PoolShardActor(Actor):
         if publish:
             self._after()
         return outcome, ticket
-
-    def _submit_copies(self, outcome: StepOutcome) -> Any:
-        """Submit a step's copy-on-write pairs to the stream worker; pin their blocks until they ran."""
-        src = [s for s, _ in outcome.copies]
-        dst = [d for _, d in outcome.copies]
-        with self.tracer.span("akv.copy_blocks") as span:
-            try:
-                ticket = self.copy_executor.submit(src, dst)
-            except AkvError as exc:
-                # The step is applied and cannot be taken back without its copies:
-                # a broken stream worker fails the manager.
-                raise RuntimeError(f"stream worker refused copies: {exc}") from exc
-            nbytes = getattr(ticket, "nbytes", 0)
-            if span.is_recording():
-                span.set_attributes({"akv.shard": self.state.shard_index, "akv.blocks": len(src), "akv.bytes": nbytes})
-        self._pinned.append((ticket, src + dst))
-        ticket.add_done_callback(self._copy_done)
-        if self.copy_bytes is not None:
-            self.copy_bytes.observe(nbytes)
-        self.log.debug(
-            "cow.copy",
-            blocks=len(src),
-            seq_ids=outcome.copy_seq_ids[:16],
-            src_block_ids=src[:16],
-            dst_block_ids=dst[:16],
-        )
-        return ticket
-
-    def _copy_done(self, ticket: Any) -> None:
-        """Done callback of a copy batch: wake the tasks waiting for room, if any.
-
-        Runs on the stream worker's thread (an anyio worker thread), or on
-        this one when the batch was done at once. Releasing the batch's pins
-        is left to the next message (:meth:`_settle_copies`), which is the
-        woken waiter's :class:`Room` ask. A waiter that takes the event after
-        this read finds the batch done at its own ask: no wake-up is lost.
-        """
-        if self._room_event is None:
-            return
-        if threading.get_ident() == self._thread_id:
-            self._wake_room()
-            return
-        with contextlib.suppress(RuntimeError):  # the loop has ended: nobody is left to wake
-            self._schedule(self._wake_room)  # non-blocking: the copy thread never waits on the loop
 
     def _log_step(self, request: StepRequest, outcome: StepOutcome) -> None:
         """Debug events of one step, each carrying the sequence that caused it (see docs/logging.md)."""
@@ -401,17 +331,6 @@ class PoolShardActor(Actor):
                     num_blocks=err.num_blocks,
                 )
 
-    def _settle_copies(self) -> None:
-        if not self._pinned:
-            return
-        keep = []
-        for ticket, blocks in self._pinned:
-            if ticket.done():
-                self.state.release_copy_pins(blocks)
-            else:
-                keep.append((ticket, blocks))
-        self._pinned = keep
-
     def _after(self) -> None:
         """Publish the snapshot; wake the room waiters and the eviction loop if it says so."""
         before = self.snapshot
@@ -420,7 +339,7 @@ class PoolShardActor(Actor):
         if self._room_event is not None and (self._room_hint or available > before.blocks_available):
             self._wake_room()
         self._room_hint = False
-        if snap.num_free < self.low_free_blocks and snap.cached:
+        if snap.num_free + snap.demoting < self.low_free_blocks and snap.cached:
             self.wake_eviction()
         if self.debug_invariants:
             self.state.check_counters()
@@ -444,44 +363,3 @@ class PoolShardActor(Actor):
             if r := pool.refcount(b):
                 out[b] = r
         return out
-
-    def _inspect(self, seq_id: Hashable) -> SequenceInfo:
-        seq = self.state.get(seq_id)
-        tables, row = self.state.tables, seq.row
-        max_tokens = int(tables.max_tokens[row])
-        return SequenceInfo(
-            seq_id=seq.seq_id,
-            shard=self.state.shard_index,
-            num_tokens=seq.num_tokens,
-            num_computed=seq.num_computed,
-            num_cached_tokens=seq.num_cached_tokens,
-            num_published_blocks=seq.num_published,
-            block_ids=tuple(seq.block_ids.tolist()),
-            token_ids=tuple(self.state.token_ids(seq).tolist()),
-            parent_id=seq.parent_id,
-            max_tokens=max_tokens or None,
-            reserved_blocks=row_reserved(tables, row, self.state.block_size),
-        )
-
-    def _inspect_block(self, block_id: int) -> BlockInfo:
-        """State, refcount and, for a published block, the content key computed from its chain in the tree."""
-        pool, block_size = self.state.pool, self.state.block_size
-        if type(block_id) is not int or not pool.owns(block_id):
-            raise InvalidInput(f"block {block_id!r} is not a block of shard {self.state.shard_index}")
-        key, depth, namespace = None, 0, None
-        tree = self.state.tree
-        if block_id in tree:
-            # Tree namespaces are (shard index, namespace) (ShardState.namespace_key); keys carry no shard.
-            (_, namespace), raw = tree.chain(block_id)
-            depth = len(raw) // (4 * block_size)
-            key = chain_keys_raw(raw, block_size, chain_suffix(namespace))[-1]
-        return BlockInfo(
-            block_id=block_id,
-            shard=self.state.shard_index,
-            state=STATE_NAMES[pool.state(block_id)],
-            refcount=pool.refcount(block_id),
-            key=key,
-            depth=depth,
-            num_tokens_in_chain=depth * block_size,
-            namespace=namespace,
-        )

@@ -50,6 +50,13 @@ class ShardSnapshot(NamedTuple):
             one made at start); one is published after every message.
         counters: The values of :class:`~akv.core.shard_state.ShardCounters`,
             in the order of :data:`COUNTER_NAMES`.
+        host: The host tier's blocks by state, ``(free, cached, swapped,
+            in_flight)`` (swapped: held by swapped-out sequences); all 0
+            without a host tier (:mod:`akv.core.tiers`).
+        demoting: Device blocks in flight until a pending copy to the host
+            has completed (free after it): the eviction loop counts them as
+            free already.
+        num_swapped: Sequences swapped out to the host tier.
     """
 
     shard: int
@@ -65,6 +72,9 @@ class ShardSnapshot(NamedTuple):
     pinned_copies: int
     version: int
     counters: tuple[int, ...]
+    host: tuple[int, int, int, int] = (0, 0, 0, 0)
+    demoting: int = 0
+    num_swapped: int = 0
 
     @property
     def num_free(self) -> int:
@@ -102,7 +112,7 @@ def take_snapshot(state: ShardState, *, pinned_copies: int, version: int) -> Sha
     Returns:
         The snapshot.
     """
-    pool = state.pool
+    pool, host = state.pool, state.host
     return ShardSnapshot(
         state.shard_index,
         pool.num_blocks,
@@ -117,4 +127,10 @@ def take_snapshot(state: ShardState, *, pinned_copies: int, version: int) -> Sha
         pinned_copies,
         version,
         _read_counters(state.counters),
+        _NO_HOST if host is None else (host.num_free, host.num_cached, host.num_active, host.num_in_flight),
+        state.num_device_pinned if state._transfers else 0,
+        len(state.swapped),
     )
+
+
+_NO_HOST = (0, 0, 0, 0)

@@ -85,7 +85,7 @@ class ShardAdmission:
             total = -(-length // bs)
             reserve = admission_reserve(length, adm.max_new_tokens, bs)
             if total + reserve <= pool.num_blocks:
-                need += total + reserve - min(len(matches.get(i, ())), (length - 1) // bs)
+                need += total + reserve - min(self._split_hits(matches.get(i, [])), (length - 1) // bs)
         short = need - (pool.num_free - self.num_reserved)
         if 0 < short <= self._evictable(protected.blocks()):
             self._evict(short, protected.blocks(), out)
@@ -100,10 +100,13 @@ class ShardAdmission:
         if not self.enable_prefix_cache:
             return {}
         bs, tree = self.block_size, self.tree
-        return {
+        matches = {
             i: tree.match(self.namespace_key(adm.namespace), adm.prompt[: (len(adm.prompt) - 1) // bs * bs])
             for i, adm in enumerate(admits)
         }
+        if self.unready:
+            matches = {i: self._ready_hits(hits) for i, hits in matches.items()}
+        return matches
 
     def _admit(self, admits, matches: dict, protected: PendingHits, out: StepOutcome, sched_ids, sched):
         """Admit phase: each admission in order takes its hits and new blocks, or is rejected and leaves no trace.
@@ -121,17 +124,19 @@ class ShardAdmission:
         for i, adm in enumerate(admits):
             length = len(adm.prompt)
             hits = matches.get(i, [])
+            if out.promotes and hits:  # an earlier admission of the step may have promoted some of them
+                hits = self._rematch(i, adm, protected)
             if published_here and len(hits) < (length - 1) // bs:
                 hits = self._match_more(adm, hits, pending, out)
             total = -(-length // bs)
-            need = total - len(hits)
+            need = total - self._split_hits(hits)
             reserve = admission_reserve(length, adm.max_new_tokens, bs)
             err = self._make_room(need + reserve, total + reserve, protected, out)
             protected.discard(i)
             if err is not None:
                 out.rejected[adm.seq_id] = err
                 continue
-            seq = self._add_sequence(adm, hits, need, reserve)
+            seq = self._add_sequence(adm, hits, need, reserve, out)
             cached = seq.num_cached_tokens
             out.cached_tokens[adm.seq_id] = cached
             sched_ids.append(adm.seq_id)
@@ -155,21 +160,41 @@ class ShardAdmission:
         bs = self.block_size
         rest = adm.prompt[len(hits) * bs : (len(adm.prompt) - 1) // bs * bs]
         more = self.tree.match(self.namespace_key(adm.namespace), rest, hits[-1] if hits else None)
-        return hits + more if more else hits
+        return self._ready_hits(hits + more) if more else hits
 
-    def _add_sequence(self, adm, hits: list[int], need: int, reserve: int) -> Sequence:
-        """Create the admitted sequence: reference ``hits``, allocate ``need`` blocks, earmark ``reserve``, count it."""
+    def _rematch(self, i: int, adm, protected: PendingHits) -> list[int]:
+        """Admission ``i``'s hits matched again (promotions moved host blocks to device ids), now protected."""
+        bs = self.block_size
+        hits = self.tree.match(self.namespace_key(adm.namespace), adm.prompt[: (len(adm.prompt) - 1) // bs * bs])
+        hits = self._ready_hits(hits)
+        protected.discard(i)
+        protected.add(i, hits)
+        return hits
+
+    def _add_sequence(self, adm, hits: list[int], need: int, reserve: int, out: StepOutcome) -> Sequence:
+        """Create the admitted sequence: reference ``hits``, allocate ``need`` blocks, earmark ``reserve``, count it.
+
+        ``need`` counts the host hits: each takes a new device block, into
+        which it is promoted (:meth:`~akv.core.tiers.ShardTiers._promote`).
+        """
         pool, tables, counters = self.pool, self.tables, self.counters
         length = len(adm.prompt)
         seq = Sequence(adm.seq_id, adm.namespace, length, tables.new_row())
         row = seq.row
-        pool.incref(hits, hit=True, distinct=True)
-        seq.block_ids.extend(hits)
-        seq.block_ids.extend(pool.allocate(need))
-        self.table_refs += len(hits) + need
+        on_device = self._split_hits(hits)
+        device_hits = hits if on_device == len(hits) else hits[:on_device]
+        pool.incref(device_hits, hit=True, distinct=True)
+        seq.block_ids.extend(device_hits)
+        new = pool.allocate(need)
+        if on_device < len(hits):  # host hits: the first new blocks take them (promotion)
+            self._promote(hits[on_device:], new[: len(hits) - on_device], out)
+            if not adm.resumed:
+                counters.host_hit_tokens += (len(hits) - on_device) * self.block_size
+        seq.block_ids.extend(new)
+        self.table_refs += on_device + need
         counters.blocks_allocated += need
         cached = len(hits) * self.block_size
-        self._write_tokens(row, cached, adm.prompt[cached:])
+        self._write_tokens(row, on_device * self.block_size, adm.prompt[on_device * self.block_size :])
         tables.num_tokens[row] = length
         tables.num_computed[row] = cached
         if adm.max_new_tokens is not None:

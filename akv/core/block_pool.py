@@ -158,10 +158,12 @@ class BlockPool(BlockRefs):
         return int(self._state[block_id - self.first_block_id])
 
     def num_cached_among(self, block_ids: Collection[int]) -> int:
-        """How many of the distinct ``block_ids`` (this pool's) are cached: one numpy pass. O(len(block_ids))."""
+        """How many of the distinct ``block_ids`` are cached blocks of this pool (other ids are ignored). O(len(block_ids))."""
         if not block_ids:
             return 0
         ids = np.fromiter(block_ids, dtype=np.int64, count=len(block_ids)) - self.first_block_id
+        if ids.min() < 0 or ids.max() >= self.num_blocks:  # another tier's ids: not among this pool's
+            ids = ids[(ids >= 0) & (ids < self.num_blocks)]
         return int(np.count_nonzero(self._state[ids] == CACHED))
 
     def refcount(self, block_id: int) -> int:
@@ -356,6 +358,31 @@ class BlockPool(BlockRefs):
         self._counts[IN_FLIGHT] -= k
         self._counts[FREE] += k
         self.blocks_freed += k
+
+    def evict_hold(self, block_ids: list[int]) -> None:
+        """Blocks taken by :meth:`evict_begin` left the prefix cache but a pending copy still reads them.
+
+        They stay in flight, unpublished and pinned (:meth:`pin_for_copy`),
+        and become free at :meth:`unpin_copied` (or cached again if they are
+        published again before it: a failed demotion put back).
+
+        Raises:
+            ValueError: A block is not being evicted (nothing is applied then).
+        """
+        if not block_ids:
+            return
+        idx = np.array(block_ids, dtype=np.intp) - self.first_block_id
+        s = self._state[idx]
+        if (s != IN_FLIGHT).any() or any(b in self._copy_pins for b in block_ids):
+            b = block_ids[int(np.argmax(s != IN_FLIGHT))]
+            raise ValueError(f"evict_hold of block {b} in state {STATE_NAMES[self.state(b)]} or already pinned")
+        self._published[idx] = False
+        self.pin_for_copy(block_ids)
+
+    @property
+    def counts_hits(self) -> bool:
+        """Whether the policy counts prefix hits per block (every policy but plain LRU)."""
+        return self._keyed is not None
 
     def evict_abort(self, block_ids: list[int], *, to_mru: bool = False) -> None:
         """Put blocks taken by :meth:`evict_begin` back in the eviction order, in order.

@@ -153,6 +153,11 @@ class ShardChecks:
             raise AssertionError(
                 f"shard {self.shard_index}: refcounts total {pool.total_refs} but block tables hold {self.table_refs}"
             )
+        host = self.host
+        if host is not None:
+            total = host.num_free + host.num_active + host.num_cached + host.num_in_flight
+            if total != host.num_blocks:
+                raise AssertionError(f"shard {self.shard_index}: host states add up to {total}, not {host.num_blocks}")
 
     def _check_reservations(self) -> None:
         """The earmarks of live rows add up to ``num_reserved`` (see :mod:`akv.core.reservation`)."""
@@ -209,12 +214,31 @@ class ShardChecks:
         for b, r in refs.items():
             if self.pool.refcount(b) != r:
                 raise AssertionError(f"block {b}: refcount {self.pool.refcount(b)} but {r} block-table references")
+        self._check_tree_ids()
+
+    def _check_tree_ids(self) -> None:
+        """The tree holds exactly the published blocks of both tiers; device blocks are ancestor-closed."""
         in_tree = self.tree.block_ids()
+        host, hb = self.host, self.host_base
         for b in in_tree:
-            if not self.pool.owns(b):
+            pool = host if hb is not None and b >= hb else self.pool
+            if not pool.owns(b):
                 raise AssertionError(f"block {b}: in the prefix cache of shard {self.shard_index} but not its own")
-            if not self.pool.is_published(b):
+            if not pool.is_published(b):
                 raise AssertionError(f"block {b}: in the prefix cache but not marked published")
-        published = self.pool.num_published
+            if pool is self.pool:
+                parent, _ = self.tree.parent_of(b)
+                if parent is not None and hb is not None and parent >= hb:
+                    raise AssertionError(f"device block {b} hangs below host block {parent}")
+        published = self.pool.num_published + (host.num_published if host is not None else 0)
         if published != len(in_tree):
             raise AssertionError(f"{published} blocks marked published but {len(in_tree)} in the prefix cache")
+        if host is not None:
+            host.check()
+            held = sum(len(t.host_pins) for t in self._transfers.values())
+            if not self._transfers and host.num_in_flight:
+                raise AssertionError(f"{host.num_in_flight} host blocks in flight with no transfer pending ({held})")
+        if not self.unready <= set(in_tree):
+            raise AssertionError(
+                f"unready blocks {sorted(self.unready - set(in_tree))[:8]} are not in the prefix cache"
+            )

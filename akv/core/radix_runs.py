@@ -17,7 +17,7 @@ from collections.abc import Hashable, Iterable, Iterator
 
 import numpy as np
 
-from akv.core.location import Location
+from akv.core.location import Location, Medium
 
 
 class Run:
@@ -173,7 +173,7 @@ class RunQueries:
         return np.flatnonzero(self._node_of >= 0).tolist()
 
     def location(self, block_id: int) -> Location:
-        """Where ``block_id``'s K/V is (today always its device block).
+        """Where ``block_id``'s K/V is: its device block, or its host slot (``block_id - host_base``).
 
         Raises:
             KeyError: ``block_id`` is not in the tree.
@@ -181,6 +181,9 @@ class RunQueries:
         node, pos = self._place(None, block_id, create=False)
         if node is None:
             raise KeyError(block_id)
+        hb = self._host_base
+        if hb is not None and block_id >= hb:
+            return Location(medium=Medium.HOST, index=block_id - hb)
         return Location.device(node.blocks[pos])
 
     def _runs(self, block_id: int) -> tuple[Hashable, list[tuple[Run, int]]]:

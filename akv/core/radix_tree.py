@@ -43,11 +43,12 @@ from itertools import pairwise
 import numpy as np
 
 from akv.core.radix_runs import Run, RunQueries, as_bytes, as_ids, block_keys, leading_equal, leading_equal_ids
+from akv.core.radix_tiers import TierMoves
 
 __all__ = ["RadixTree", "block_keys"]
 
 
-class RadixTree(RunQueries):
+class RadixTree(RunQueries, TierMoves):
     """Run-compressed, block-granular radix tree mapping token prefixes to cached block ids.
 
     Tokens are passed as int32 little-endian bytes (or an integer numpy
@@ -56,16 +57,34 @@ class RadixTree(RunQueries):
 
     Args:
         block_size: Tokens per block (>= 1).
+        host_base: The first id that names a host-tier slot (ids from here
+            on are host blocks, ``host_base + slot``; see
+            :mod:`akv.core.radix_tiers`), or None: every id is a device block.
 
     Raises:
-        ValueError: ``block_size`` is not an int >= 1.
+        ValueError: ``block_size`` is not an int >= 1, or ``host_base`` is
+            not None or an int >= 1.
     """
 
-    __slots__ = ("_free_nids", "_node_mv", "_node_of", "_nodes", "_pos_mv", "_pos_of", "_roots", "_size", "_width")
+    __slots__ = (
+        "_free_nids",
+        "_host_base",
+        "_node_mv",
+        "_node_of",
+        "_nodes",
+        "_pos_mv",
+        "_pos_of",
+        "_roots",
+        "_size",
+        "_width",
+    )
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, host_base: int | None = None) -> None:
         if type(block_size) is not int or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        if host_base is not None and (type(host_base) is not int or host_base < 1):
+            raise ValueError(f"host_base must be None or an int >= 1, got {host_base!r}")
+        self._host_base = host_base
         self._width = 4 * block_size
         self._roots: dict[Hashable, Run] = {}
         self._nodes: list[Run | None] = []

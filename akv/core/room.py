@@ -142,8 +142,12 @@ class ShardRoom:
         evictable = self.evictable_now()
         return total - len(seq.block_ids) + tail, pool.num_free - self.num_reserved + own, evictable
 
-    def _evict(self, num_blocks: int, protected, out: StepOutcome | None = None) -> int:
+    def _evict(self, num_blocks: int, protected, out: StepOutcome | None = None, held: bool = False) -> int:
         """Evict cached leaves in policy order; blocks the tree refuses go to the evict-last end.
+
+        With a host tier (:mod:`akv.core.tiers`) a victim that is a device
+        leaf is demoted to the host instead of dropped, as long as the host
+        tier has (or can make) room; the others are dropped as without a tier.
 
         A cached block can stand above a block that is not evictable yet (a
         published block that a pending copy still pins); the tree refuses such
@@ -153,33 +157,54 @@ class ShardRoom:
         Args:
             num_blocks: Blocks to evict at most.
             protected: Block ids to skip (a container: ``in`` and iteration).
-            out: The step's outcome: its ``evicted_blocks`` and
+            out: The step's outcome: its ``evicted_blocks``, ``demotes`` and
                 ``removed_block_ids`` (the blocks removed from the prefix
                 tree, in removal order) record the eviction.
+            held: Demoted device blocks stay in flight until their copy has
+                completed (background eviction) instead of being free at once.
 
         Returns:
-            The number of blocks evicted (now free).
+            The number of blocks evicted (free now, or in flight to the host when ``held``).
         """
-        evicted = 0
-        untried = self.pool.num_cached
-        while evicted < num_blocks and untried > 0:
-            victims = self.pool.evict_begin(min(num_blocks - evicted, untried), protected)
-            if not victims:
-                break
-            untried -= len(victims)
-            removed, refused = self.tree.remove_leaves(victims)
-            self.pool.evict_finish(removed)
-            evicted += len(removed)
-            if out is not None:
-                out.removed_block_ids.extend(removed)
-            if refused:
-                self.pool.evict_abort(refused, to_mru=True)
-                self.counters.eviction_refusals += len(refused)
-            if removed:  # a removal can turn a refused parent into a leaf: try everything again
-                untried = self.pool.num_cached
+        evicted = self._evict_loop(self.pool, num_blocks, protected, out, held)
         if evicted:
             self.counters.blocks_evicted += evicted
             self.counters.eviction_batches += 1
             if out is not None:
                 out.evicted_blocks += evicted
+        return evicted
+
+    def _drop_leaves(self, pool, num_blocks: int, protected, out: StepOutcome | None) -> int:
+        """Drop up to ``num_blocks`` cached leaves of the host tier ``pool`` from the tree, in its policy order."""
+        dropped = self._evict_loop(pool, num_blocks, protected, out, False)
+        self.counters.host_evicted += dropped
+        return dropped
+
+    def _evict_loop(self, pool, num_blocks: int, protected, out: StepOutcome | None, held: bool) -> int:
+        """Take cached leaves of ``pool`` in policy order: demote (the device pool with a host tier) or drop them."""
+        tree = self.tree
+        demote = pool is self.pool and self.host is not None
+        evicted = 0
+        untried = pool.num_cached
+        while evicted < num_blocks and untried > 0:
+            victims = pool.evict_begin(min(num_blocks - evicted, untried), protected)
+            if not victims:
+                break
+            untried -= len(victims)
+            moved = 0
+            if demote:
+                moved, victims = self._demote(victims, protected, out, held)
+            removed, refused = tree.remove_leaves(victims) if victims else ([], [])
+            pool.evict_finish(removed)
+            evicted += moved + len(removed)
+            if removed:
+                if out is not None:
+                    out.removed_block_ids.extend(removed)
+                if self.unready:
+                    self.unready.difference_update(removed)
+            if refused:
+                pool.evict_abort(refused, to_mru=True)
+                self.counters.eviction_refusals += len(refused)
+            if removed or moved:  # a removal can turn a refused parent into a leaf: try everything again
+                untried = pool.num_cached
         return evicted

@@ -130,11 +130,11 @@ class ShardExports:
             self.snapshot_hold = frozenset()
 
     # -------------------------------------------------- eviction with holds
-    def _evict(self, num_blocks: int, protected, out=None) -> int:
+    def _evict(self, num_blocks: int, protected, out=None, held: bool = False) -> int:
         hold = self.snapshot_hold
         if hold:
             protected = hold.union(protected)
-        return super()._evict(num_blocks, protected, out)
+        return super()._evict(num_blocks, protected, out, held)
 
     def _evictable(self, protected: dict[int, int]) -> int:
         hold = self.snapshot_hold

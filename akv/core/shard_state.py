@@ -37,6 +37,8 @@ from akv.core.room import ShardRoom
 from akv.core.sequence import Sequence
 from akv.core.shard_export import ShardExports
 from akv.core.step import StepOutcome, StepRequest
+from akv.core.swap import ShardSwaps, SwappedSequence
+from akv.core.tiers import ShardTiers, TierTransfer
 from akv.errors import UnknownSequence
 
 
@@ -59,9 +61,17 @@ class ShardCounters:
     sequences_resumed: int = 0
     resumed_prompt_tokens: int = 0
     resumed_cached_tokens: int = 0
+    host_hit_tokens: int = 0
+    demoted_blocks: int = 0
+    promoted_blocks: int = 0
+    host_evicted: int = 0
+    swapped_out: int = 0
+    swapped_in: int = 0
 
 
-class ShardState(ShardChecks, ShardPublishing, ShardAppends, ShardExports, ShardRoom, ShardAdmission):
+class ShardState(
+    ShardChecks, ShardPublishing, ShardAppends, ShardExports, ShardRoom, ShardAdmission, ShardTiers, ShardSwaps
+):
     """Sequences and blocks of one shard.
 
     Token ids are stored per block, beside the K/V they stand for:
@@ -82,10 +92,21 @@ class ShardState(ShardChecks, ShardPublishing, ShardAppends, ShardExports, Shard
             owned by no shard: the manager passes ``config.null_block_id``);
             default ``block_ids.stop``, right for a lone shard of ``range(0, n)``.
         tree: The prefix tree of this shard's blocks (default: a new, empty
-            :class:`RadixTree`); the shard owns it from now on.
+            :class:`RadixTree`, with ``host_ids.start`` as its host base when
+            there is a host tier); the shard owns it from now on.
+        host_ids: The tree ids of this shard's host-tier slots
+            (:meth:`~akv.config.KVCacheConfig.host_shard_ranges`), or None
+            (empty): no host tier (see :mod:`akv.core.tiers`).
+        host_base: The tree id of host slot 0 of the whole pool
+            (:attr:`~akv.config.KVCacheConfig.host_block_base`); default
+            ``host_ids.start``, right for a lone shard.
+        sync_copies: Copies complete where they are made (metadata mode, or
+            tests without a stream worker): tier moves take effect at once
+            and no :class:`~akv.core.tiers.TierTransfer` is kept.
 
     Raises:
-        ValueError: ``tree`` has another ``block_size``.
+        ValueError: ``tree`` has another ``block_size``, or host ids overlap
+            the device ids.
     """
 
     def __init__(
@@ -98,12 +119,33 @@ class ShardState(ShardChecks, ShardPublishing, ShardAppends, ShardExports, Shard
         eviction_policy: str = DEFAULT_EVICTION_POLICY,
         null_block_id: int | None = None,
         tree: RadixTree | None = None,
+        host_ids: range | None = None,
+        host_base: int | None = None,
+        sync_copies: bool = True,
     ) -> None:
         self.shard_index = shard_index
         #: Padding of block tables (see :mod:`akv.core.block_table`).
         self.null_block_id = block_ids.stop if null_block_id is None else null_block_id
+        if host_ids is not None and len(host_ids):
+            if host_base is None:
+                host_base = host_ids.start
+            if host_base <= self.null_block_id or host_ids.start < host_base:
+                raise ValueError(f"host ids {host_ids} must lie after the device ids and the null block")
+        else:
+            host_ids = host_base = None
+        #: Tree id of host slot 0 (None: no host tier); host slot ``s`` is ``host_base + s``.
+        self.host_base = host_base
+        #: The host tier's blocks (None: no host tier); see :mod:`akv.core.tiers`.
+        self.host = None if host_ids is None else BlockPool(host_ids, policy=eviction_policy)
+        self.sync_copies = sync_copies
+        #: Tree ids whose pending copy has not completed: never matched.
+        self.unready: set[int] = set()
+        self._transfers: dict[int, TierTransfer] = {}
+        self._next_transfer = 1
+        #: Sequences swapped out to the host tier (:mod:`akv.core.swap`), by id.
+        self.swapped: dict[Hashable, SwappedSequence] = {}
         #: The prefix cache index of this shard's published blocks.
-        self.tree = RadixTree(block_size) if tree is None else tree
+        self.tree = RadixTree(block_size, host_base) if tree is None else tree
         if self.tree.block_size != block_size:
             raise ValueError(f"a tree of {self.tree.block_size}-token blocks for a shard of {block_size}-token blocks")
         self.block_size = block_size
@@ -250,14 +292,20 @@ class ShardState(ShardChecks, ShardPublishing, ShardAppends, ShardExports, Shard
     def evict(self, max_blocks: int, out: StepOutcome | None = None) -> int:
         """Evict up to ``max_blocks`` cached blocks, in the eviction policy's order (leaves only).
 
+        With a host tier the device leaves are demoted, and each stays in
+        flight until its copy has completed (a transfer in ``out``; pass an
+        outcome whenever copies are not synchronous).
+
         Args:
             max_blocks: Most blocks to evict.
-            out: Where to record the removed blocks (``removed_block_ids``), if given.
+            out: Where to record the removed blocks (``removed_block_ids``),
+                the demotions (``demotes``) and their transfer, if given.
 
         Returns:
-            Blocks evicted (removed from the prefix cache, now free).
+            Blocks evicted (removed from the prefix cache and free, or
+            demoted: free once their copy has completed).
         """
-        return self._evict(max_blocks, frozenset(), out)
+        return self._evict(max_blocks, frozenset(), out, held=True)
 
     def release_copy_pins(self, block_ids: list[int]) -> None:
         """A copy batch finished: its source and destination blocks may become cached or free."""
@@ -279,13 +327,19 @@ class ShardState(ShardChecks, ShardPublishing, ShardAppends, ShardExports, Shard
             out.freed.append(seq_id)
             if seq_id in req.preempted:
                 self.counters.preemptions += 1
+        if self.swapped:
+            self._free_swapped(req.frees, out)
         if not freed_rows:
             return
+        self._release_rows(freed_rows)
+        self.counters.sequences_freed += len(freed_rows)
+
+    def _release_rows(self, rows: list[int]) -> None:
+        """Give back the rows' reservations and block references (the sequences are gone already)."""
         if self.num_reserved_seqs:
-            r = np.array(freed_rows, dtype=np.intp)
+            r = np.array(rows, dtype=np.intp)
             self.num_reserved -= int(reserved_blocks(self.tables, r, self.block_size).sum())
             self.num_reserved_seqs -= int(np.count_nonzero(self.tables.max_tokens[r]))
-        ids = self.tables.release_many(freed_rows)
-        self.pool.decref(ids, distinct=len(freed_rows) == 1)
+        ids = self.tables.release_many(rows)
+        self.pool.decref(ids, distinct=len(rows) == 1)
         self.table_refs -= len(ids)
-        self.counters.sequences_freed += len(freed_rows)

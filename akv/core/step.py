@@ -150,9 +150,21 @@ class StepOutcome:
         stored_block_ids: Blocks this step added to the prefix cache (newly
             published), in insertion order.
         removed_block_ids: Blocks this step's evictions removed from the
-            prefix cache, in removal order. A block removed and then reused
+            prefix cache, in removal order (host-tier ids too: the host tier
+            dropped them). A block removed and then reused
             and published in the same step is in both lists; no block stored
             is removed in the same step (it is referenced).
+        demotes: ``(device block, host id)`` of each block demoted to the
+            host tier (:mod:`akv.core.tiers`), in order: the copies to run
+            first in the step's copy batch.
+        promotes: ``(host id, device block)`` of each block promoted from
+            the host tier: the copies to run last in the batch.
+        swap_outs: ``(device block, host id)`` copies of a swap-out
+            (:mod:`akv.core.swap`); they run with the demotions.
+        swap_ins: ``(host id, device block)`` copies of a swap-in; they run
+            with the promotions.
+        transfer: The shard's :class:`~akv.core.tiers.TierTransfer` id that
+            waits for those copies (None: nothing waits; metadata mode).
     """
 
     seq_ids: list = field(default_factory=list)
@@ -168,6 +180,11 @@ class StepOutcome:
     evicted_blocks: int = 0
     stored_block_ids: list = field(default_factory=list)
     removed_block_ids: list = field(default_factory=list)
+    demotes: list = field(default_factory=list)
+    promotes: list = field(default_factory=list)
+    swap_outs: list = field(default_factory=list)
+    swap_ins: list = field(default_factory=list)
+    transfer: int | None = None
 
 
 def empty_metadata() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

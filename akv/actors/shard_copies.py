@@ -1,0 +1,119 @@
+"""Copies of a pool shard in the stream worker: submitted with each step, settled at a later message.
+
+A step's copies (copy-on-write pairs, and with a host tier the demotions,
+promotions and swaps of :mod:`akv.core.tiers` and :mod:`akv.core.swap`) go to
+the stream worker as one batch, in three phases: device to host, device to
+device, host to device (:meth:`ShardCopies._submit_copies`). Until the batch
+has run, its copy-on-write blocks stay pinned and its tier transfer stays
+open; the first message after it finished releases them
+(:meth:`ShardCopies._settle_copies`), so the state the shard publishes never
+runs ahead of the copies. Its done callback wakes the tasks waiting for room.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+import anyio
+
+from akv.core.step import StepOutcome
+from akv.errors import AkvError
+from akv.storage.copy_ticket import loop_scheduler
+
+
+class ShardCopies:
+    """Copy submission and settling; a mixin of :class:`~akv.actors.pool_shard.PoolShardActor` (uses its attributes)."""
+
+    __slots__ = ()
+
+    def room_changed(self) -> anyio.Event:
+        """An event set once room may have grown (or the actor stopped); take it before asking :class:`Room`.
+
+        Set after the first later message that freed a sequence, evicted
+        blocks or raised :attr:`blocks_available`, or once a copy batch
+        finishes (its pins released, blocks may be free); a fresh event after that.
+        """
+        if self._room_event is None:
+            self._room_event = anyio.Event()
+            self._schedule = loop_scheduler()  # the waiters' loop, for wake-ups from the copy thread
+        return self._room_event
+
+    def _wake_room(self) -> None:
+        if self._room_event is not None:
+            self._room_event.set()
+            self._room_event = None
+
+    def _submit_copies(self, outcome: StepOutcome) -> Any:
+        """Submit a step's copies to the stream worker; pin their blocks until they ran (see the module docstring)."""
+        state = self.state
+        src = [s for s, _ in outcome.copies]
+        dst = [d for _, d in outcome.copies]
+        hb = state.host_base
+        to_host = [(d, h - hb) for d, h in outcome.demotes + outcome.swap_outs] if hb is not None else []
+        to_device = [(h - hb, d) for h, d in outcome.promotes + outcome.swap_ins] if hb is not None else []
+        num_blocks = len(src) + len(to_host) + len(to_device)
+        with self.tracer.span("akv.copy_blocks") as span:
+            try:
+                if to_host or to_device:
+                    ticket = self.copy_executor.submit_tiers(to_host=to_host, copies=(src, dst), to_device=to_device)
+                else:
+                    ticket = self.copy_executor.submit(src, dst)
+            except AkvError as exc:
+                # The step is applied and cannot be taken back without its copies:
+                # a broken stream worker fails the manager.
+                raise RuntimeError(f"stream worker refused copies: {exc}") from exc
+            nbytes = getattr(ticket, "nbytes", 0)
+            if span.is_recording():
+                span.set_attributes({"akv.shard": state.shard_index, "akv.blocks": num_blocks, "akv.bytes": nbytes})
+        self._pinned.append((ticket, src + dst, outcome.transfer))
+        ticket.add_done_callback(self._copy_done)
+        if self.copy_bytes is not None:
+            self.copy_bytes.observe(nbytes)
+        if src:
+            self.log.debug(
+                "cow.copy",
+                blocks=len(src),
+                seq_ids=outcome.copy_seq_ids[:16],
+                src_block_ids=src[:16],
+                dst_block_ids=dst[:16],
+            )
+        if to_host or to_device:
+            self.log.debug("tier.copy", to_host_blocks=len(to_host), to_device_blocks=len(to_device))
+        return ticket
+
+    def _copy_done(self, ticket: Any) -> None:
+        """Done callback of a copy batch: wake the tasks waiting for room, if any.
+
+        Runs on the stream worker's thread (an anyio worker thread), or on
+        this one when the batch was done at once. Releasing the batch's pins
+        is left to the next message (:meth:`_settle_copies`), which is the
+        woken waiter's :class:`Room` ask. A waiter that takes the event after
+        this read finds the batch done at its own ask: no wake-up is lost.
+        """
+        if self._room_event is None:
+            return
+        if threading.get_ident() == self._thread_id:
+            self._wake_room()
+            return
+        with contextlib.suppress(RuntimeError):  # the loop has ended: nobody is left to wake
+            self._schedule(self._wake_room)  # non-blocking: the copy thread never waits on the loop
+
+    def _settle_copies(self) -> None:
+        """Release the pins and transfers of the copy batches that have finished (in submission order)."""
+        if not self._pinned:
+            return
+        keep = []
+        state = self.state
+        for item in self._pinned:
+            ticket, blocks, transfer = item
+            if ticket.done():
+                if blocks:
+                    state.release_copy_pins(blocks)
+                if transfer is not None:
+                    state.transfer_done(transfer, ticket.exception() is None)
+                    self._room_hint = True
+            else:
+                keep.append(item)
+        self._pinned = keep

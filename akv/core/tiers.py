@@ -1,0 +1,227 @@
+"""The host tier of a shard: demotion, promotion and their pending copies (part of :class:`~akv.core.shard_state.ShardState`).
+
+A shard with a host tier owns a second :class:`~akv.core.block_pool.BlockPool`
+over its host ids (``host_base + slot``, see :mod:`akv.core.radix_tiers`),
+with the same eviction policy. Per host id the pool's states mean: ``free``;
+``cached`` (in the prefix tree on the host, in the host eviction order);
+``active`` (held by a swapped-out sequence, :mod:`akv.core.swap`);
+``in_flight`` (a copy to or from it is pending, or it is being evicted).
+
+**Demotion.** When eviction picks cached device blocks, each *device leaf*
+(no device block below it in the tree) takes a host id instead of leaving
+the tree: its node keeps it, only its id changes. The host tier makes room
+by dropping its own leaves in its policy order. Blocks that cannot move
+(no host room) are dropped as without a tier. There are two kinds:
+
+- *on demand* (a step needs the device block now): the device block is free
+  at once and the step's copy batch copies it out before anything else, so
+  a runner that waits for the step's copies (as it must before writing new
+  blocks) writes it only after the copy read it;
+- *held* (the eviction loop and ``evict()``): the device block stays in
+  flight until the copy has completed, and only then becomes free; if the
+  copy fails, the block is put back where it was, cached on the device.
+
+Either way the host block is *unready* (never matched) until the copy has
+completed.
+
+**Promotion.** A prefix match continues through host blocks (device hits
+come first: device blocks are ancestor-closed). An admission allocates fresh
+device blocks for its host hits, and the tree moves those blocks back to the
+new device ids; the host ids are freed once the copy has read them. The new
+device blocks are unready until the copy has completed, so another prompt
+never reads them early. A promoted block leaves the host tier (no second
+copy is kept).
+
+**Transfers.** With real storage every batch of moves is a
+:class:`TierTransfer` the pool shard actor submits with the step's copies and
+reports back with :meth:`ShardTiers.transfer_done`. In metadata mode
+(``sync_copies``) copies are instant: moves complete where they happen and no
+transfer is kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from akv.core.step import StepOutcome
+
+
+@dataclass(slots=True)
+class TierTransfer:
+    """Blocks that wait for one batch of copies (device <-> host) to complete.
+
+    Attributes:
+        host_pins: Host ids pinned until the copies ran (demotion targets,
+            promotion and swap-in sources).
+        device_pins: Device blocks pinned until then (held demotions and
+            swap-out sources).
+        unready: Tree ids not matched until then.
+        held: ``(device block, host id)`` of held demotions, put back on the
+            device if the copy fails.
+        swap_out: The sequence whose swap-out this batch copies, if any.
+    """
+
+    host_pins: list[int] = field(default_factory=list)
+    device_pins: list[int] = field(default_factory=list)
+    unready: list[int] = field(default_factory=list)
+    held: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: object = None
+
+
+class ShardTiers:
+    """Demotion, promotion and pending transfers; a mixin of :class:`~akv.core.shard_state.ShardState`."""
+
+    __slots__ = ()
+
+    # ------------------------------------------------------------ transfers
+    def _transfer(self, out: StepOutcome) -> TierTransfer:
+        """The open transfer of ``out`` (created on first use)."""
+        tid = out.transfer
+        if tid is None:
+            tid = out.transfer = self._next_transfer
+            self._next_transfer += 1
+            self._transfers[tid] = TierTransfer()
+        return self._transfers[tid]
+
+    def transfer_done(self, tid: int, ok: bool = True) -> None:
+        """The copies of transfer ``tid`` ran (``ok``) or failed: release its pins, make its blocks matchable.
+
+        On failure, held demotions go back to the device (cached there, as
+        before the demotion) where their host block is still in the tree; a
+        swap-out's host blocks are freed and the sequence is lost (a failed
+        copy breaks the stream worker, which fails the manager); blocks whose
+        content the failed copy should have written stay unready.
+
+        Raises:
+            KeyError: ``tid`` is not a pending transfer of this shard.
+        """
+        t = self._transfers.pop(tid)
+        pool, host, tree = self.pool, self.host, self.tree
+        if ok:
+            self.unready.difference_update(t.unready)
+        else:
+            for dev, hid in t.held:
+                if hid in tree:
+                    tree.relocate([hid], [dev])
+                    host.unpublish([hid])
+                    pool.mark_published([dev])
+                    self.unready.discard(hid)
+                    self.counters.demoted_blocks -= 1
+        if t.swap_out is not None:
+            self._swap_out_done(t.swap_out, ok)
+        if t.device_pins:
+            pool.unpin_copied(t.device_pins)
+        if t.host_pins:
+            host.unpin_copied(t.host_pins)
+
+    @property
+    def num_pending_transfers(self) -> int:
+        """Transfers whose copies have not been reported done."""
+        return len(self._transfers)
+
+    @property
+    def num_device_pinned(self) -> int:
+        """Device blocks pending transfers keep in flight (held demotions, swap-outs); free once they complete."""
+        return sum(len(t.device_pins) for t in self._transfers.values())
+
+    # ------------------------------------------------------------ demotion
+    def _host_room(self, num_blocks: int, protected, out: StepOutcome | None) -> list[int]:
+        """Up to ``num_blocks`` host ids for demotion (referenced, unpublished), dropping host leaves for room."""
+        host = self.host
+        short = num_blocks - host.num_free
+        if short > 0 and host.num_cached:
+            self._drop_leaves(host, short, protected, out)
+        n = min(num_blocks, host.num_free)
+        return host.allocate(n) if n > 0 else []
+
+    def _demote(self, victims: list[int], protected, out: StepOutcome | None, held: bool) -> tuple[int, list[int]]:
+        """Move the device leaves among ``victims`` (taken by ``evict_begin``) to the host; the rest is returned.
+
+        Args:
+            victims: Device blocks in eviction order, in flight.
+            protected: Ids eviction must skip (host ones too).
+            out: Where the moves are recorded (``demotes``), if anywhere.
+            held: Keep the device blocks in flight until the copy completed
+                (background eviction); else free them now (on demand).
+
+        Returns:
+            ``(blocks demoted, victims not demoted)`` (those, in order, for the
+            caller to drop or put back).
+        """
+        slots = self._host_room(len(victims), protected, out)
+        if not slots:
+            return 0, victims
+        pool, host = self.pool, self.host
+        moved, new, rest = self.tree.demote_leaves(victims, slots)
+        unused = slots[len(new) :]
+        if unused:
+            host.decref(unused, distinct=True)  # unpublished: back to free
+        if not moved:
+            return 0, rest
+        host.mark_published(new)
+        if pool.counts_hits:
+            host.set_num_hits(new, pool.hit_counts(moved).tolist())
+        if self.sync_copies:
+            pool.evict_finish(moved)
+            host.decref(new, distinct=True)  # cached on the host now
+        else:
+            t = self._transfer(out)
+            if held:
+                pool.evict_hold(moved)
+                t.device_pins += moved
+                t.held += zip(moved, new)
+            else:
+                pool.evict_finish(moved)
+            host.pin_for_copy(new)
+            host.decref(new, distinct=True)  # in flight until the copy ran
+            t.host_pins += new
+            t.unready += new
+            self.unready.update(new)
+        if out is not None:
+            out.demotes += zip(moved, new)
+        self.counters.demoted_blocks += len(moved)
+        return len(moved), rest
+
+    # ----------------------------------------------------------- promotion
+    def _split_hits(self, hits: list[int]) -> int:
+        """How many leading ``hits`` are device blocks (the rest are host blocks: device blocks come first)."""
+        n = len(hits)
+        hb = self.host_base
+        if hb is None:
+            return n
+        while n and hits[n - 1] >= hb:
+            n -= 1
+        return n
+
+    def _ready_hits(self, hits: list[int]) -> list[int]:
+        """``hits`` up to the first block whose pending copy has not completed (all of them when none is pending)."""
+        unready = self.unready
+        if not unready:
+            return hits
+        for i, b in enumerate(hits):
+            if b in unready:
+                return hits[:i]
+        return hits
+
+    def _promote(self, host_hits: list[int], device_ids: list[int], out: StepOutcome) -> None:
+        """Move ``host_hits`` (a matched path's host part) to the new device blocks ``device_ids`` (referenced).
+
+        The host ids are freed once the copy has read them; the device
+        blocks are unready until then. Hit counts carry over, plus this hit.
+        """
+        pool, host = self.pool, self.host
+        self.tree.relocate(host_hits, device_ids)
+        pool.mark_published(device_ids)
+        if pool.counts_hits:
+            pool.set_num_hits(device_ids, (host.hit_counts(host_hits) + 1).tolist())
+        host.incref(host_hits, distinct=True)  # out of the host eviction order
+        host.unpublish(host_hits)
+        if not self.sync_copies:
+            t = self._transfer(out)
+            host.pin_for_copy(host_hits)
+            t.host_pins += host_hits
+            t.unready += device_ids
+            self.unready.update(device_ids)
+        host.decref(host_hits, distinct=True)
+        out.promotes += zip(host_hits, device_ids)
+        self.counters.promoted_blocks += len(host_hits)
