@@ -83,6 +83,16 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     size.add_argument(
         "--pool-gib", type=float_range(0.0, None, min_open=True), help="pool size in GiB (blocks = GiB / block bytes)"
     )
+    host = rp.add_mutually_exclusive_group()
+    host.add_argument(
+        "--host-blocks",
+        type=int_range(0, MAX_NUM_BLOCKS),
+        default=0,
+        help="blocks of the host-memory tier (default 0: none; see docs/host_tier.md)",
+    )
+    host.add_argument(
+        "--host-gib", type=float_range(0.0, None, min_open=True), help="host tier size in GiB instead of --host-blocks"
+    )
     rp.add_argument(
         "--model",
         default="tiny",
@@ -169,13 +179,20 @@ def _replay_config(args: argparse.Namespace) -> KVCacheConfig:
             )
     else:
         num_blocks = 32_768 if storage != "none" or args.model == "tiny" else int(64 * 2**30 // block_bytes)
-    if storage == "cpu":
+    host_blocks = args.host_blocks if args.host_gib is None else int(args.host_gib * 2**30 // block_bytes)
+    if not 0 <= host_blocks <= MAX_NUM_BLOCKS:
+        raise UsageError(f"--host-gib {args.host_gib:g} holds {host_blocks:,} blocks; at most {MAX_NUM_BLOCKS:,}")
+    if host_blocks and host_blocks < args.shards:
+        raise UsageError(f"a host tier of {host_blocks:,} blocks cannot be split over {args.shards:,} shards")
+    if storage != "none":
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        if num_blocks * block_bytes > memory // 2:
+        host_bytes = host_blocks * block_bytes
+        device_bytes = num_blocks * block_bytes if storage == "cpu" else 0
+        if device_bytes + host_bytes > memory // 2:
             raise UsageError(
-                f"a pool of {num_blocks:,} blocks x {block_bytes:,} bytes ({num_blocks * block_bytes / 2**30:,.1f} GiB) "
-                f"of CPU tensors exceeds half of this machine's memory ({memory / 2**30:,.1f} GiB); "
-                "pass a smaller --num-blocks or --pool-gib, or --storage none to simulate without tensors"
+                f"a pool of {num_blocks:,} blocks and a host tier of {host_blocks:,} blocks x {block_bytes:,} bytes "
+                f"({(device_bytes + host_bytes) / 2**30:,.1f} GiB of host memory) exceeds half of this machine's "
+                f"memory ({memory / 2**30:,.1f} GiB); pass smaller sizes, or --storage none to simulate without tensors"
             )
     if args.shards > num_blocks:
         raise UsageError(f"--shards {args.shards:,} exceeds the {num_blocks:,} blocks of the pool")
@@ -187,6 +204,7 @@ def _replay_config(args: argparse.Namespace) -> KVCacheConfig:
         device=storage if storage != "none" else "cpu",
         num_shards=args.shards,
         enable_events=args.events_out is not None,
+        host_blocks=host_blocks,
     )
 
 

@@ -151,7 +151,10 @@ def metrics_snapshot(num_blocks: int, snapshots: Iterable[ShardSnapshot], actors
     totals["blocks_freed"] = 0
     blocks = {"free": 0, "active": 0, "cached": 0, "in_flight": 0}
     reserved = 0
+    host = [0, 0, 0, 0]
     for snap in snapshots:
+        for i, n in enumerate(snap.host):
+            host[i] += n
         for name, value in zip(COUNTER_NAMES, snap.counters, strict=True):
             totals[name] += value
         totals["blocks_freed"] += snap.blocks_freed
@@ -166,4 +169,5 @@ def metrics_snapshot(num_blocks: int, snapshots: Iterable[ShardSnapshot], actors
         num_blocks=num_blocks,
         inbox_depths={a.name: a.inbox_depth for a in actors},
         reserved_blocks=reserved,
+        host_blocks=dict(zip(("free", "cached", "swapped", "in_flight"), host)) if any(host) else {},
     )

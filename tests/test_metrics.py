@@ -60,8 +60,17 @@ def assert_agrees(samples: dict, stats) -> None:
         "akv_sequences_freed_total": stats.sequences_freed,
         "akv_sequences_preempted_total": stats.preemptions,
         "akv_pool_exhausted_refusals_total": stats.pool_exhausted,
+        "akv_prefix_cache_host_hits_tokens_total": stats.host_hit_tokens,
+        "akv_blocks_demoted_total": stats.demoted_blocks,
+        "akv_blocks_promoted_total": stats.promoted_blocks,
+        "akv_host_blocks_evicted_total": stats.host_evicted_blocks,
+        "akv_sequences_swapped_out_total": stats.swapped_out,
+        "akv_sequences_swapped_in_total": stats.swapped_in,
     }
     assert {name: value(samples, name) for name in counters} == counters
+    if stats.host_blocks:
+        for state in ("free", "cached", "swapped", "in_flight"):
+            assert value(samples, "akv_host_blocks", state=state) == getattr(stats, f"host_{state}")
     for state in ("free", "active", "cached", "in_flight"):
         assert value(samples, "akv_blocks", state=state) == getattr(stats, state)
     assert value(samples, "akv_pool_usage_ratio") == pytest.approx(stats.usage)
@@ -93,6 +102,12 @@ NO_COUNTS = dict.fromkeys(
         "sequences_freed",
         "sequences_preempted",
         "pool_exhausted_refusals",
+        "prefix_cache_host_hits_tokens",
+        "blocks_demoted",
+        "blocks_promoted",
+        "host_blocks_evicted",
+        "sequences_swapped_out",
+        "sequences_swapped_in",
     ],
     0,
 )
@@ -299,3 +314,20 @@ async def test_scrape_right_after_wait_copies_shows_no_block_in_flight(tiny_conf
         await kv.wait_copies()
         assert block_gauges(scrape(kv.metrics_registry))["in_flight"] == 0
         assert kv.blocks_in_use == 2  # a's two blocks; the copy's source is free, not in flight
+
+
+@pytest.mark.anyio
+async def test_host_tier_counters_and_gauges_agree_with_stats(tiny_config) -> None:
+    """Demotions, promotions, host drops and swaps show in the scrape exactly as in stats()."""
+    async with KVCacheManager(tiny_config(num_blocks=16, host_blocks=8)) as kv:
+        for i in range(6):  # 3 full blocks each, all different: the device fills, the host takes the rest
+            await kv.step(admits=[Admit(seq_id=i, prompt=list(range(100 * i, 100 * i + 13)), prefill_done=True)])
+            await kv.free(i)
+        await kv.step(admits=[Admit(seq_id="again", prompt=list(range(13)), prefill_done=True)])  # hits the host
+        await kv.swap_out("again")
+        await kv.swap_in("again")
+        await kv.wait_copies()
+        stats = await kv.stats()
+        assert stats.demoted_blocks and stats.promoted_blocks and stats.host_hit_tokens == 12
+        assert (stats.swapped_out, stats.swapped_in) == (1, 1)
+        assert_agrees(scrape(kv.metrics_registry), stats)

@@ -57,7 +57,14 @@ class ShardCopies:
         with self.tracer.span("akv.copy_blocks") as span:
             try:
                 if to_host or to_device:
-                    ticket = self.copy_executor.submit_tiers(to_host=to_host, copies=(src, dst), to_device=to_device)
+                    ticket = self.copy_executor.submit_tiers(
+                        d2h_src_ids=[d for d, _ in to_host],
+                        d2h_dst_slots=[h for _, h in to_host],
+                        d2d_src_ids=src,
+                        d2d_dst_ids=dst,
+                        h2d_src_slots=[h for h, _ in to_device],
+                        h2d_dst_ids=[d for _, d in to_device],
+                    )
                 else:
                     ticket = self.copy_executor.submit(src, dst)
             except AkvError as exc:

@@ -40,7 +40,7 @@ docs/architecture.md).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Container, Iterable
+from collections.abc import Collection, Iterable
 
 import numpy as np
 
@@ -307,7 +307,7 @@ class BlockPool(BlockRefs):
                 self._counts[IN_FLIGHT] -= 1
                 self._release(i)
 
-    def evict_begin(self, max_blocks: int, skip: Container[int] = frozenset()) -> list[int]:
+    def evict_begin(self, max_blocks: int, skip: Collection[int] = frozenset()) -> list[int]:
         """Take up to ``max_blocks`` cached blocks for eviction, first in eviction order first.
 
         Blocks in ``skip`` (prefix hits about to be pinned) keep their place.
@@ -317,6 +317,8 @@ class BlockPool(BlockRefs):
         cached) amortized for the other policies.
         """
         lru = self._lru
+        if skip:
+            skip = self._cached_among(skip)
         if self._keyed is not None:
             out = self._keyed.pop_first(max_blocks, skip)
         elif not skip:
@@ -336,6 +338,13 @@ class BlockPool(BlockRefs):
         self._counts[CACHED] -= len(out)
         self._counts[IN_FLIGHT] += len(out)
         return out
+
+    def _cached_among(self, block_ids: Collection[int]) -> set[int] | tuple:
+        """The cached blocks of this pool among ``block_ids`` (other ids ignored), as a set; ``()`` for none. One numpy pass."""
+        ids = np.fromiter(block_ids, dtype=np.int64, count=len(block_ids)) - self.first_block_id
+        ids = ids[(ids >= 0) & (ids < self.num_blocks)]
+        ids = ids[self._state[ids] == CACHED]
+        return set((ids + self.first_block_id).tolist()) if len(ids) else ()
 
     def evict_finish(self, block_ids: Iterable[int]) -> None:
         """Blocks taken by :meth:`evict_begin` left the prefix cache: free them.

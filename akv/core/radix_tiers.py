@@ -103,7 +103,9 @@ class TierMoves:
         for s, e in pairwise(starts):
             self._move(self._nodes[nids[s]], pos[s], old[s:e], new[s:e])
 
-    def demote_leaves(self, block_ids: Sequence[int], new_ids: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+    def demote_leaves(
+        self, block_ids: Sequence[int], new_ids: Sequence[int], *, check: bool = True
+    ) -> tuple[list[int], list[int], list[int]]:
         """Move device leaves to host ids, in order; refuse the blocks that are not device leaves at their turn.
 
         A block is a device leaf when the block after it in its run, or every
@@ -117,6 +119,8 @@ class TierMoves:
             new_ids: Host ids not in the tree, at least as many as will move
                 (``len(block_ids)`` is always enough); the unused tail is
                 left out of the tree.
+            check: Check ``new_ids`` (distinct, not in the tree); a caller
+                that takes them from a pool of free ids may skip it.
 
         Returns:
             ``(moved, new, refused)``: the blocks moved, their new ids (the
@@ -133,7 +137,10 @@ class TierMoves:
         n = len(ids)
         if not n:
             return [], [], []
-        self._check_fresh(new)
+        if check:
+            self._check_fresh(new)
+        elif len(new) and new.max() >= len(self._node_of):
+            self._grow(int(new.max()))
         valid = (ids >= 0) & (ids < len(self._node_of))
         inside = ids[valid]
         if len(inside) and (self._node_of[inside] < 0).any():

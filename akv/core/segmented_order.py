@@ -148,65 +148,47 @@ class SegmentedOrder(HitCounts):
         return ((e & mask) + base for e in entries if stamp[e & mask] == e)
 
     def pop_first(self, max_blocks: int, skip) -> list[int]:
-        """Take up to ``max_blocks`` blocks from the evict-first end; blocks in ``skip`` keep their place."""
-        if skip:
-            return self._pop_skipping(max_blocks, skip)
-        mask, stamp, heads = self._mask, self._stamp, self._heads
+        """Take up to ``max_blocks`` blocks from the evict-first end; blocks in ``skip`` keep their place.
+
+        Chunks of each lane are taken with numpy; blocks in ``skip`` found in
+        a chunk go back before the lane's new head, in their order (so they
+        keep their place ahead of everything behind them).
+        """
+        mask, stamp, heads, base = self._mask, self._stamp, self._heads, self.base
+        skip_off = np.fromiter(skip, dtype=np.int64, count=len(skip)) - base if skip else None
         parts: list[np.ndarray] = []
         taken = stale = 0
         self._from_deferred = ()
         for li, lane in enumerate(self._lanes):
             h = heads[li]
+            kept: list[int] = []
             while taken < max_blocks and h < len(lane):
                 chunk = np.array(lane[h : h + max_blocks - taken], dtype=np.int64)
                 h += len(chunk)
                 off = chunk & mask
                 live = stamp[off] == chunk
                 if not live.all():
-                    off = off[live]
-                    stale += len(chunk) - len(off)
+                    chunk, off = chunk[live], off[live]
+                    stale += int(live.size - off.size)
+                if skip_off is not None and len(off):
+                    held = np.isin(off, skip_off)
+                    if held.any():
+                        kept += chunk[held].tolist()
+                        off = off[~held]
                 stamp[off] = 0
                 parts.append(off)
                 taken += len(off)
                 if li == 2 and len(off):
-                    self._from_deferred = {*self._from_deferred, *(off + self.base).tolist()}
+                    self._from_deferred = {*self._from_deferred, *(off + base).tolist()}
+            if kept:  # taken from just before the new head: they go back there, in order
+                h -= len(kept)
+                lane[h : h + len(kept)] = kept
             self._advance(li, h)
         self._stale -= stale
         self._size -= taken
         if not parts:
             return []
-        return ((np.concatenate(parts) if len(parts) > 1 else parts[0]) + self.base).tolist()
-
-    def _pop_skipping(self, max_blocks: int, skip) -> list[int]:
-        """:meth:`pop_first` with blocks to skip: one entry at a time, the skipped ones put back at the head."""
-        base, mask, stamp = self.base, self._mask, memoryview(self._stamp)
-        out: list[int] = []
-        stale = 0
-        self._from_deferred = ()
-        for li, lane in enumerate(self._lanes):
-            h = self._heads[li]
-            kept: list[int] = []
-            first = len(out)
-            while len(out) < max_blocks and h < len(lane):
-                e = lane[h]
-                h += 1
-                i = e & mask
-                if stamp[i] != e:
-                    stale += 1
-                elif i + base in skip:
-                    kept.append(e)
-                else:
-                    stamp[i] = 0
-                    out.append(i + base)
-            if kept:  # they were taken from just before the new head: they go back there
-                h -= len(kept)
-                lane[h : h + len(kept)] = kept
-            if li == 2 and len(out) > first:
-                self._from_deferred = set(out[first:])
-            self._advance(li, h)
-        self._stale -= stale
-        self._size -= len(out)
-        return out
+        return ((np.concatenate(parts) if len(parts) > 1 else parts[0]) + base).tolist()
 
     def restore(self, block_ids: list[int]) -> None:
         """Put blocks taken by the last :meth:`pop_first` back at the head of their segment, in their old order.

@@ -152,7 +152,7 @@ class ShardTiers:
         if not slots:
             return 0, victims
         pool, host = self.pool, self.host
-        moved, new, rest = self.tree.demote_leaves(victims, slots)
+        moved, new, rest = self.tree.demote_leaves(victims, slots, check=False)  # free host ids: never in the tree
         unused = slots[len(new) :]
         if unused:
             host.decref(unused, distinct=True)  # unpublished: back to free

@@ -54,6 +54,15 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "akv_sequences_freed": ("sequences_freed", "Sequences freed (finished or preempted)."),
     "akv_sequences_preempted": ("preemptions", "Sequences freed as preemptions by the scheduler."),
     "akv_pool_exhausted_refusals": ("pool_exhausted", "Appends or admissions refused for lack of blocks."),
+    "akv_prefix_cache_host_hits_tokens": (
+        "host_hit_tokens",
+        "Of the prefix-cache hit tokens, those served from the host tier (promoted to the device).",
+    ),
+    "akv_blocks_demoted": ("demoted_blocks", "Cached blocks moved from the device to the host tier by eviction."),
+    "akv_blocks_promoted": ("promoted_blocks", "Host-tier blocks moved back to the device by prefix hits."),
+    "akv_host_blocks_evicted": ("host_evicted", "Cached blocks the host tier dropped for room."),
+    "akv_sequences_swapped_out": ("swapped_out", "Sequences swapped out to the host tier."),
+    "akv_sequences_swapped_in": ("swapped_in", "Sequences swapped back in from the host tier."),
 }
 
 #: Bucket bounds of ``akv_step_latency_seconds`` and ``akv_eviction_batch_seconds`` (seconds).
@@ -73,6 +82,8 @@ class MetricsSnapshot:
         inbox_depths: Actor name -> messages waiting now.
         reserved_blocks: Free blocks earmarked by reservations (see
             :mod:`akv.core.reservation`), summed over shards.
+        host_blocks: Host-tier state (free, cached, swapped, in_flight) ->
+            blocks (empty without a host tier).
     """
 
     counters: Mapping[str, int] = field(default_factory=dict)
@@ -80,6 +91,7 @@ class MetricsSnapshot:
     num_blocks: int = 0
     inbox_depths: Mapping[str, int] = field(default_factory=dict)
     reserved_blocks: int = 0
+    host_blocks: Mapping[str, int] = field(default_factory=dict)
 
 
 class _SnapshotCollector(Collector):
@@ -104,6 +116,10 @@ class _SnapshotCollector(Collector):
         free = snap.blocks.get("free", 0)
         usage = 1.0 - free / snap.num_blocks if snap.num_blocks else 0.0
         yield GaugeMetricFamily("akv_pool_usage_ratio", "Fraction of blocks not free (0-1).", value=usage)
+        host = GaugeMetricFamily("akv_host_blocks", "Host-tier blocks per state (none without a tier).", labels=["state"])
+        for state, n in snap.host_blocks.items():
+            host.add_metric([state], n)
+        yield host
         depth = GaugeMetricFamily("akv_actor_inbox_messages", "Messages waiting in an actor's inbox.", labels=["actor"])
         for actor, n in sorted(snap.inbox_depths.items()):
             depth.add_metric([actor], n)

@@ -62,6 +62,16 @@ def print_summary(report: ReplayReport, config: KVCacheConfig, trace: Path) -> N
         ("simulated time", f"{report.simulated_s:,.1f} s"),
         ("wall time", f"{report.wall_s:,.2f} s"),
     ]
+    if config.num_host_blocks:
+        host_gib = config.num_host_blocks * config.bytes_per_block / 2**30
+        rows[3:3] = [("host tier", f"{config.num_host_blocks:,} blocks ({host_gib:,.2f} GiB)")]
+        rows += [
+            ("hit tokens device / host", f"{report.device_hit_tokens:,} / {report.host_hit_tokens:,}"),
+            ("demoted / promoted blocks", f"{report.demoted_blocks:,} / {report.promoted_blocks:,}"),
+            ("host blocks in use at the end", f"{report.host_in_use:,}"),
+        ]
+        if report.swapped_out:
+            rows.append(("sequences swapped out / in", f"{report.swapped_out:,} / {report.swapped_in:,}"))
     if report.warm_start_blocks:
         rows.append(("warm start (blocks, seconds)", f"{report.warm_start_blocks:,} in {report.warm_start_s:,.2f} s"))
     for name, value in rows:

@@ -80,6 +80,19 @@ class ReplayOptions:
             raise ValueError("max_output_tokens must be >= 0")
 
 
+#: Fields of :class:`ReplayReport` copied from the final :class:`~akv.results.CacheStats` (the host tier's).
+_HOST_FIELDS = (
+    "host_blocks",
+    "host_in_use",
+    "host_free",
+    "device_hit_tokens",
+    "host_hit_tokens",
+    "demoted_blocks",
+    "promoted_blocks",
+    "swapped_out",
+    "swapped_in",
+)
+
 #: Fields of :class:`ReplayReport` left out of its JSON (per request or per sample).
 _PER_REQUEST = ("cached_tokens_per_request", "admitted_unix_s_per_request", "timeline")
 
@@ -120,6 +133,17 @@ class ReplayReport:
     timeline: list = field(default_factory=list)
     #: Blocks in the prefix cache per medium at the end (``--events-out`` only, else None).
     final_cached_blocks: dict | None = None
+    #: The host tier (docs/host_tier.md): its size, blocks in use and free at the end,
+    #: ``cached_tokens`` split by the tier that served them, and the blocks moved.
+    host_blocks: int = 0
+    host_in_use: int = 0
+    host_free: int = 0
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    demoted_blocks: int = 0
+    promoted_blocks: int = 0
+    swapped_out: int = 0
+    swapped_in: int = 0
 
     def as_json(self) -> dict:
         """The report as JSON-ready data (without the per-request list and the timeline)."""
@@ -359,6 +383,8 @@ async def replay(
     stats = await kv.stats()
     report.evictions = stats.blocks_evicted
     report.cow_copies = stats.cow_copies
+    for name in _HOST_FIELDS:
+        setattr(report, name, getattr(stats, name))
     if latencies:
         lat = np.array(latencies) * 1e6
         report.step_latency_us = {
