@@ -38,7 +38,7 @@ from akv.storage.snapshot_demo import tensor_reader
 from akv.storage.snapshot_dir import save_snapshot as write_snapshot
 from akv.storage.snapshot_reader import Snapshot
 from akv.storage.snapshot_reader import load_snapshot as read_snapshot
-from akv.storage.snapshot_record import MEDIUM_DEVICE, SnapshotBlocks, hottest_that_fit
+from akv.storage.snapshot_record import MEDIUM_DEVICE, MEDIUM_HOST, SnapshotBlocks, hottest_that_fit
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -103,7 +103,7 @@ class ManagerSnapshots:
                 for shard in self._shards:
                     exports.append(await self._ask(shard, ExportSnapshot(hold)))
                 blocks, block_ids = await anyio.to_thread.run_sync(_merge_exports, exports, self.config.block_size)
-                reader = tensor_reader(self.storage.kv_caches, block_ids) if hold else None
+                reader = self._tier_reader(blocks, block_ids) if hold else None
                 generation = await anyio.to_thread.run_sync(write_snapshot, directory, self.config, blocks, reader)
             except Exception as exc:
                 self.log.warning("snapshot.save_failed", directory=directory, error=str(exc))
@@ -219,26 +219,61 @@ class ManagerSnapshots:
         return [np.flatnonzero(shard == s).astype(np.int64) for s in range(num_shards)]
 
     async def _load_into(self, index: int, snap: Snapshot, rows: np.ndarray) -> int:
-        """Load record rows ``rows`` (ancestor-closed, increasing) into shard ``index``; return blocks loaded."""
+        """Load record rows ``rows`` (ancestor-closed, increasing) into shard ``index``; return blocks loaded.
+
+        The hottest blocks that fit both tiers are kept; of those, the hottest
+        that fit the device go there (an ancestor-closed set), the rest to the
+        host tier.
+        """
         actor = self._shards[index]
         sub = snap.blocks.take(rows)
         key = EVICTION_POLICIES[self.config.eviction_policy].key
         room = max(0, actor.snapshot.num_free - actor.high_free_blocks)  # the eviction loop's headroom stays free
-        kept, _ = hottest_that_fit(sub, room, key)
+        host_room = actor.snapshot.host[0]
+        kept, _ = hottest_that_fit(sub, room + host_room, key)
         sub = sub.take(kept)
-        block_ids = await self._ask(actor, ImportReserve(sub.tokens))
+        on_device, _ = hottest_that_fit(sub, room, key)
+        on_host = np.ones(sub.num_blocks, dtype=bool)
+        on_host[on_device] = False
+        block_ids = await self._ask(actor, ImportReserve(sub.tokens, on_host))
         try:
             if self.storage is not None:
-                src = torch.from_numpy(rows[kept])
-                await anyio.to_thread.run_sync(_write_layers, self.storage.kv_caches, snap.layers, src, block_ids)
+                await anyio.to_thread.run_sync(self._write_rows, snap.layers, rows[kept], block_ids)
             namespaces = [sub.namespaces[i] for i in sub.namespace.tolist()]
-            publish = ImportPublish(block_ids, sub.parent, namespaces, sub.num_hits, sub.last_release)
+            publish = ImportPublish(block_ids, sub.parent, namespaces, sub.num_hits, sub.last_release, sub.tokens)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._ask(actor, ImportAbort(block_ids))
             raise
         with anyio.CancelScope(shield=True):
             return await self._ask(actor, publish)
+
+    def _write_rows(self, layers: list, rows: np.ndarray, block_ids: list[int]) -> None:
+        """Copy snapshot rows into their blocks: device blocks in the pool, host-tier ids in the host pool."""
+        ids = np.array(block_ids, dtype=np.int64)
+        host = ids >= self.config.host_block_base
+        _write_layers(self.storage.kv_caches, layers, torch.from_numpy(rows[~host]), ids[~host].tolist())
+        if host.any():
+            slots = (ids[host] - self.config.host_block_base).tolist()
+            _write_layers(self.storage.host.kv_caches, layers, torch.from_numpy(rows[host]), slots)
+
+    def _tier_reader(self, blocks: SnapshotBlocks, block_ids: np.ndarray):
+        """A ``read_blocks`` over both tiers: a row on the host tier is read from the host pool's slot."""
+        on_host = blocks.medium == MEDIUM_HOST
+        if not on_host.any():
+            return tensor_reader(self.storage.kv_caches, block_ids)
+        slots = np.where(on_host, block_ids - self.config.host_block_base, 0)
+        device = tensor_reader(self.storage.kv_caches, np.where(on_host, 0, block_ids))
+        host = tensor_reader(self.storage.host.kv_caches, slots)
+
+        def read_blocks(layer: int, rows: np.ndarray) -> torch.Tensor:
+            out = device(layer, rows)
+            here = on_host[rows]
+            if here.any():
+                out[:, torch.from_numpy(here)] = host(layer, rows[here]).to(out.device)
+            return out
+
+        return read_blocks
 
 
 def _write_layers(kv_caches: list, layers: list, rows: torch.Tensor, block_ids: list[int]) -> None:
@@ -271,7 +306,9 @@ def _merge_exports(exports: list, block_size: int) -> tuple[SnapshotBlocks, np.n
     """
     table: dict = {}
     seen: dict[bytes, int] = {}
-    columns: dict[str, list] = {name: [] for name in ("keys", "parent", "namespace", "tokens", "hits", "rank", "ids")}
+    columns: dict[str, list] = {
+        name: [] for name in ("keys", "parent", "namespace", "tokens", "hits", "rank", "ids", "medium")
+    }
     for export in exports:
         local: list[int] = []
         for row, key in enumerate(_chain_keys(export)):
@@ -290,6 +327,7 @@ def _merge_exports(exports: list, block_size: int) -> tuple[SnapshotBlocks, np.n
             columns["hits"].append(int(export.num_hits[row]))
             columns["rank"].append(int(export.last_release[row]))
             columns["ids"].append(int(export.block_ids[row]))
+            columns["medium"].append(MEDIUM_HOST if export.on_host[row] else MEDIUM_DEVICE)
     n = len(columns["ids"])
     blocks = SnapshotBlocks(
         block_size=block_size,
@@ -300,6 +338,6 @@ def _merge_exports(exports: list, block_size: int) -> tuple[SnapshotBlocks, np.n
         tokens=np.array(columns["tokens"], dtype=np.int32).reshape(n, block_size),
         num_hits=np.array(columns["hits"], dtype=np.int64),
         last_release=np.array(columns["rank"], dtype=np.int64),
-        medium=np.full(n, MEDIUM_DEVICE, dtype=np.uint8),
+        medium=np.array(columns["medium"], dtype=np.uint8),
     )
     return blocks, np.array(columns["ids"], dtype=np.int64)

@@ -61,12 +61,19 @@ def test_import_restores_the_tree_and_order_and_refuses_a_busy_shard() -> None:
     ids = target.import_reserve(export.tokens)
     assert target.lookup(None, np.arange(1, 14, dtype=np.int32)) == 0  # not matchable before publishing
     target.check()
-    loaded = target.import_publish(ids, export.parent, export.namespaces, export.num_hits, export.last_release)
+    loaded = target.import_publish(
+        ids, export.parent, export.namespaces, export.num_hits, export.last_release, export.tokens
+    )
     assert loaded == len(ids) == 6
     target.check()
     assert target.lookup(None, np.arange(1, 14, dtype=np.int32)) == 3
     again = target.import_reserve(export.tokens)
-    assert target.import_publish(again, export.parent, export.namespaces, export.num_hits, export.last_release) == 0
+    assert (
+        target.import_publish(
+            again, export.parent, export.namespaces, export.num_hits, export.last_release, export.tokens
+        )
+        == 0
+    )
     target.check()
     assert target.pool.num_cached == 6 and target.pool.num_free == 10
     back = target.export_snapshot(hold=False)

@@ -48,13 +48,14 @@ class ReleaseHold(SnapshotCall):
 
 @dataclass(frozen=True, slots=True)
 class ImportReserve(SnapshotCall):
-    """Allocate blocks for ``tokens`` (``(m, block_size)`` int32) to load; reply their ids."""
+    """Allocate blocks for ``tokens`` (``(m, block_size)`` int32) to load, ``on_host`` rows on the host tier; reply their ids."""
 
     tokens: np.ndarray
+    on_host: np.ndarray | None = None
 
     def apply(self, state: Any) -> list[int]:
         """See :meth:`~akv.core.shard_export.ShardExports.import_reserve`."""
-        return state.import_reserve(self.tokens)
+        return state.import_reserve(self.tokens, self.on_host)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,10 +78,13 @@ class ImportPublish(SnapshotCall):
     namespaces: list[Hashable]
     num_hits: np.ndarray
     last_release: np.ndarray
+    tokens: np.ndarray
 
     def apply(self, state: Any) -> int:
         """See :meth:`~akv.core.shard_export.ShardExports.import_publish`."""
-        return state.import_publish(self.block_ids, self.parent, self.namespaces, self.num_hits, self.last_release)
+        return state.import_publish(
+            self.block_ids, self.parent, self.namespaces, self.num_hits, self.last_release, self.tokens
+        )
 
 
 @dataclass(frozen=True, slots=True)

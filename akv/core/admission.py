@@ -104,7 +104,7 @@ class ShardAdmission:
             i: tree.match(self.namespace_key(adm.namespace), adm.prompt[: (len(adm.prompt) - 1) // bs * bs])
             for i, adm in enumerate(admits)
         }
-        if self.unready:
+        if self._hits_may_wait:
             matches = {i: self._ready_hits(hits) for i, hits in matches.items()}
         return matches
 

@@ -198,20 +198,25 @@ class RunQueries:
             node = node.parent
         return node.namespace, runs
 
-    def runs(self) -> Iterator[tuple[Hashable, int | None, list[int]]]:
+    def runs(self, *, tokens: bool = False) -> Iterator[tuple]:
         """Every run of the tree, each after the run it hangs below (a depth-first walk). O(blocks).
+
+        Args:
+            tokens: Also yield the run's tokens.
 
         Yields:
             ``(namespace, parent_block_id, block_ids)``: the namespace as passed
             to :meth:`insert`, the block the run continues (``None`` below the
-            root) and the run's block ids in chain order (a new list).
+            root) and the run's block ids in chain order (a new list); with
+            ``tokens``, a fourth item: the run's int32 LE token bytes
+            (``4 * block_size`` per block, a new ``bytes``).
         """
         for namespace, root in self._roots.items():
             stack: list[tuple[Run, int | None]] = [(child, None) for child in root.children.values()]
             while stack:
                 node, parent = stack.pop()
                 blocks = node.blocks.tolist()
-                yield namespace, parent, blocks
+                yield (namespace, parent, blocks, bytes(node.tokens)) if tokens else (namespace, parent, blocks)
                 stack.extend((child, blocks[-1]) for child in node.children.values())
 
     def path(self, block_id: int) -> list[int]:

@@ -46,7 +46,10 @@ class ShardExport:
         tokens: ``(n, block_size)`` int32 token ids.
         num_hits: ``(n,)`` int64 prefix hits.
         last_release: ``(n,)`` int64 rank in the eviction order (0: evicted first).
-        block_ids: ``(n,)`` int64 block id of each row (where to read its K/V).
+        block_ids: ``(n,)`` int64 block id of each row (where to read its K/V):
+            a device block, or a host-tier id (``>= host_base``) for a block
+            on the host tier.
+        on_host: ``(n,)`` bool: the row's block is on the host tier.
     """
 
     namespaces: list
@@ -55,6 +58,7 @@ class ShardExport:
     num_hits: np.ndarray
     last_release: np.ndarray
     block_ids: np.ndarray
+    on_host: np.ndarray
 
 
 class ShardExports:
@@ -82,38 +86,44 @@ class ShardExports:
         """
         if hold and self.snapshot_hold:
             raise InvalidInput(f"shard {self.shard_index}: a snapshot save is already running")
-        base, bs = self.pool.first_block_id, self.block_size
+        bs = self.block_size
         last_row: dict[int, int] = {}  # the last block of each run -> its row (runs hang below a run's last block)
         namespaces: list = []
         parents: list[int] = []
         ids: list[int] = []
-        for (_, namespace), parent, blocks in self.tree.runs():
+        chunks: list[bytes] = []
+        for (_, namespace), parent, blocks, raw in self.tree.runs(tokens=True):
             first = len(ids)
             parents.append(-1 if parent is None else last_row[parent])
             parents.extend(range(first, first + len(blocks) - 1))
             last_row[blocks[-1]] = first + len(blocks) - 1
             namespaces.extend([namespace] * len(blocks))
             ids.extend(blocks)
+            chunks.append(raw)
         block_ids = np.array(ids, dtype=np.int64)
         if hold:
             self.snapshot_hold = set(ids)
         n = len(ids)
+        on_host = block_ids >= self.host_base if self.host_base is not None else np.zeros(n, dtype=bool)
+        hits = np.zeros(n, dtype=np.int64)
+        hits[~on_host] = self.pool.hit_counts(block_ids[~on_host])
+        if on_host.any():
+            hits[on_host] = self.host.hit_counts(block_ids[on_host])
         return ShardExport(
             namespaces=namespaces,
             parent=np.array(parents, dtype=np.int64),
-            tokens=self.block_tokens[block_ids - base].reshape(n, bs).copy(),
-            num_hits=self.pool.hit_counts(block_ids),
+            tokens=np.frombuffer(b"".join(chunks), dtype="<i4").reshape(n, bs).astype(np.int32),
+            num_hits=hits,
             last_release=self._release_ranks(block_ids),
             block_ids=block_ids,
+            on_host=on_host,
         )
 
     def _release_ranks(self, block_ids: np.ndarray) -> np.ndarray:
-        """Rank of each row: cached blocks in eviction order, then the others, later rows (deeper) first."""
-        base, n = self.pool.first_block_id, block_ids.size
-        row_at = np.full(self.pool.num_blocks, -1, dtype=np.int64)
-        row_at[block_ids - base] = np.arange(n, dtype=np.int64)
-        order = row_at[np.array(self.pool.eviction_order(), dtype=np.int64) - base]
-        order = order[order >= 0]
+        """Rank of each row: host-tier cached blocks in their order, device cached blocks in theirs, then the others, later rows (deeper) first."""
+        n = block_ids.size
+        pools = [self.pool] if self.host is None else [self.host, self.pool]  # demoted blocks are the coldest
+        order = np.concatenate([_rows_in_order(pool, block_ids) for pool in pools])
         rank = np.full(n, -1, dtype=np.int64)
         rank[order] = np.arange(order.size, dtype=np.int64)
         rest = np.flatnonzero(rank < 0)[::-1]
@@ -151,35 +161,59 @@ class ShardExports:
         return max(0, super().evictable_now() - sum(1 for b in hold if state(b) == CACHED))
 
     # ------------------------------------------------------------- import
-    def import_reserve(self, tokens: np.ndarray) -> list[int]:
+    def import_reserve(self, tokens: np.ndarray, on_host: np.ndarray | None = None) -> list[int]:
         """Allocate one block per row of ``tokens`` and write its token ids; nothing is matchable yet.
 
         Args:
             tokens: ``(m, block_size)`` int32 token ids of the blocks to load.
+            on_host: ``(m,)`` bool: the rows to load into the host tier
+                (default: none).
 
         Returns:
-            The ``m`` block ids, row order.
+            The ``m`` block ids, row order (host-tier ids for ``on_host`` rows).
 
         Raises:
             InvalidInput: The shard has live sequences, a save holds its
-                blocks, or fewer than ``m`` free blocks (nothing allocated).
+                blocks, fewer free blocks than rows on either tier, or rows
+                for a host tier the shard does not have (nothing allocated).
         """
         m = int(tokens.shape[0])
+        on_host = np.zeros(m, dtype=bool) if on_host is None else np.asarray(on_host, dtype=bool)
+        num_host = int(on_host.sum())
         if self.sequences or self.snapshot_hold:
             raise InvalidInput(f"shard {self.shard_index} has live sequences or a save running: cannot load")
-        if m > self.pool.num_free - self.num_reserved:
-            raise InvalidInput(f"shard {self.shard_index}: {m} blocks to load, {self.pool.num_free} free")
-        ids = self.pool.allocate(m)
-        self.counters.blocks_allocated += m
-        if m:
-            self.block_tokens[np.array(ids, dtype=np.intp) - self.pool.first_block_id] = tokens
-        self.pool.pin_for_copy(ids)  # in flight while their K/V are written: neither free nor matchable
-        self.pool.decref(ids, distinct=True)
-        return ids
+        if m - num_host > self.pool.num_free - self.num_reserved:
+            raise InvalidInput(f"shard {self.shard_index}: {m - num_host} blocks to load, {self.pool.num_free} free")
+        if num_host and (self.host is None or num_host > self.host.num_free):
+            free = 0 if self.host is None else self.host.num_free
+            raise InvalidInput(f"shard {self.shard_index}: {num_host} blocks to load on the host tier, {free} free")
+        dev = self.pool.allocate(m - num_host)
+        self.counters.blocks_allocated += m - num_host
+        if dev:
+            self.block_tokens[np.array(dev, dtype=np.intp) - self.pool.first_block_id] = tokens[~on_host]
+        host = self.host.allocate(num_host) if num_host else []
+        for pool, blocks in ((self.pool, dev), (self.host, host)):
+            if blocks:
+                pool.pin_for_copy(blocks)  # in flight while their K/V are written: neither free nor matchable
+                pool.decref(blocks, distinct=True)
+        ids = np.empty(m, dtype=np.int64)
+        ids[~on_host] = dev
+        ids[on_host] = host
+        return ids.tolist()
 
     def import_abort(self, block_ids: list[int]) -> None:
         """Free blocks :meth:`import_reserve` allocated (a load that failed before publishing)."""
-        self.pool.unpin_copied(block_ids)
+        dev, host = self._by_tier(block_ids)
+        self.pool.unpin_copied(dev)
+        if host:
+            self.host.unpin_copied(host)
+
+    def _by_tier(self, block_ids: list[int]) -> tuple[list[int], list[int]]:
+        """``block_ids`` split into device blocks and host-tier ids, order kept."""
+        hb = self.host_base
+        if hb is None:
+            return block_ids, []
+        return [b for b in block_ids if b < hb], [b for b in block_ids if b >= hb]
 
     def import_publish(
         self,
@@ -188,12 +222,14 @@ class ShardExports:
         namespaces: list[Hashable],
         num_hits: np.ndarray,
         last_release: np.ndarray,
+        tokens: np.ndarray,
     ) -> int:
         """Publish reserved blocks as cached prefix-cache blocks in the saved eviction order.
 
         A block whose chain is already cached here (loaded twice, or cached
         before the load) stays private and is freed; its children hang below
-        the cached one.
+        the cached one. A device block whose parent is cached on the host
+        tier is freed with its subtree (device blocks stay ancestor-closed).
 
         Args:
             block_ids: From :meth:`import_reserve`, one per row.
@@ -201,31 +237,48 @@ class ShardExports:
             namespaces: ``m`` namespaces (no shard index).
             num_hits: ``(m,)`` int64 prefix hits.
             last_release: ``(m,)`` int64 release ranks (smaller: evicted first).
+            tokens: ``(m, block_size)`` int32 token ids.
 
         Returns:
             Blocks now in the tree as loaded (the others were duplicates).
         """
-        tree, base, w = self.tree, self.pool.first_block_id, 4 * self.block_size
-        raw = self.block_tokens.astype("<i4", copy=False)
+        tree, w, hb = self.tree, 4 * self.block_size, self.host_base
+        raw = np.ascontiguousarray(tokens, dtype="<i4")
         placed: list[int] = []  # the block in the tree standing for each row
         published: list[int] = []
         for row, b in enumerate(block_ids):
             up = int(parent[row])
             ns_key = self.namespace_key(namespaces[row])
-            tokens = raw[b - base].tobytes()
+            chunk = raw[row].tobytes()
             below = None if up < 0 else placed[up]
-            if tree.insert(ns_key, below, tokens, [b]) == 1:
+            below_host = hb is not None and below is not None and below >= hb
+            if not (below_host and b < hb) and tree.insert(ns_key, below, chunk, [b]) == 1:
                 placed.append(b)
                 published.append(row)
                 continue
-            found = tree.match(ns_key, tokens, below=below)
-            placed.append(found[0] if len(found) == 1 and len(tokens) == w else b)
-        rows = np.array(published, dtype=np.int64)
-        kept = [block_ids[r] for r in published]
-        self.pool.mark_published(kept)
-        self.pool.set_num_hits(kept, num_hits[rows].tolist() if rows.size else [])
-        order = rows[np.argsort(last_release[rows], kind="stable")] if rows.size else rows
-        dropped = sorted(set(block_ids) - set(kept))
-        self.pool.unpin_copied([block_ids[r] for r in order.tolist()])  # each release takes the next place
-        self.pool.unpin_copied(dropped)
-        return len(kept)
+            found = tree.match(ns_key, chunk, below=below)
+            placed.append(found[0] if len(found) == 1 and len(chunk) == w else b)
+        ids = np.array(block_ids, dtype=np.int64)
+        on_host = ids >= hb if hb is not None else np.zeros(len(ids), dtype=bool)
+        kept = np.zeros(len(ids), dtype=bool)
+        kept[published] = True
+        for pool, mine in ((self.pool, ~on_host), (self.host, on_host)):
+            rows = np.flatnonzero(mine & kept)
+            if rows.size:
+                pool.mark_published(ids[rows].tolist())
+                pool.set_num_hits(ids[rows].tolist(), num_hits[rows].tolist())
+                # each release takes the next place in its tier's eviction order: the saved order
+                pool.unpin_copied(ids[rows[np.argsort(last_release[rows], kind="stable")]].tolist())
+            if (mine & ~kept).any():
+                pool.unpin_copied(ids[mine & ~kept].tolist())
+        return len(published)
+
+
+def _rows_in_order(pool, block_ids: np.ndarray) -> np.ndarray:
+    """The rows of ``block_ids`` that are cached in ``pool``, in its eviction order: int64 ``(k,)``."""
+    base = pool.first_block_id
+    row_at = np.full(pool.num_blocks, -1, dtype=np.int64)
+    mine = (block_ids >= base) & (block_ids < base + pool.num_blocks)
+    row_at[block_ids[mine] - base] = np.flatnonzero(mine)
+    order = row_at[np.array(pool.eviction_order(), dtype=np.int64) - base]
+    return order[order >= 0]

@@ -193,13 +193,23 @@ class ShardTiers:
             n -= 1
         return n
 
+    @property
+    def _hits_may_wait(self) -> bool:
+        """Whether some hit may be unusable now: a pending copy, or a snapshot save holding host blocks."""
+        return bool(self.unready) or (self.host is not None and bool(self.snapshot_hold))
+
     def _ready_hits(self, hits: list[int]) -> list[int]:
-        """``hits`` up to the first block whose pending copy has not completed (all of them when none is pending)."""
-        unready = self.unready
-        if not unready:
+        """``hits`` up to the first block that cannot be used now (all of them when none is pending).
+
+        A block whose pending copy has not completed is unusable, and so is a
+        host block a snapshot save holds: promoting it would free its slot
+        while the save still reads it.
+        """
+        if not self._hits_may_wait:
             return hits
+        unready, hold, hb = self.unready, self.snapshot_hold, self.host_base
         for i, b in enumerate(hits):
-            if b in unready:
+            if b in unready or (hb is not None and b >= hb and b in hold):
                 return hits[:i]
         return hits
 

@@ -116,7 +116,9 @@ class _SnapshotCollector(Collector):
         free = snap.blocks.get("free", 0)
         usage = 1.0 - free / snap.num_blocks if snap.num_blocks else 0.0
         yield GaugeMetricFamily("akv_pool_usage_ratio", "Fraction of blocks not free (0-1).", value=usage)
-        host = GaugeMetricFamily("akv_host_blocks", "Host-tier blocks per state (none without a tier).", labels=["state"])
+        host = GaugeMetricFamily(
+            "akv_host_blocks", "Host-tier blocks per state (none without a tier).", labels=["state"]
+        )
         for state, n in snap.host_blocks.items():
             host.add_metric([state], n)
         yield host
