@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from akv import KVCacheConfig, KVCacheManager
+from akv import Admit, KVCacheConfig, KVCacheManager
 from akv.cli import main
 from akv.errors import PoolExhausted, RequestTooLarge
 from akv.obs.export import serve_metrics
