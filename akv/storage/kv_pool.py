@@ -24,73 +24,18 @@ No asyncio here; :class:`akv.storage.stream_worker.CopyExecutor` runs
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Sequence
-
 import torch
 
 from akv.config import KVCacheConfig
 from akv.errors import InvalidInput
-
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-}
-
-IndexLike = torch.Tensor | Sequence[int]
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """Resolve a dtype name from :class:`akv.config.ModelShape` to a torch dtype.
-
-    Args:
-        name: ``float32``, ``float16``, ``bfloat16`` or ``float8_e4m3fn``.
-
-    Returns:
-        The matching ``torch.dtype``.
-
-    Raises:
-        InvalidInput: Unknown name; the message lists the known ones.
-    """
-    try:
-        return _TORCH_DTYPES[name]
-    except KeyError:
-        raise InvalidInput(f"unknown dtype {name!r}; known: {', '.join(_TORCH_DTYPES)}") from None
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """View float8 as uint8 (CPU ``index_copy_`` has no float8 kernel); copies are bytewise anyway."""
-    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
-
-
-def _index_tensor(ids: IndexLike, what: str) -> torch.Tensor:
-    """Return ``ids`` as a 1-D int64 tensor (on its own device), or raise InvalidInput."""
-    if not isinstance(ids, torch.Tensor):
-        return torch.tensor(_index_list(ids, what), dtype=torch.int64)
-    if ids.dtype not in (torch.int32, torch.int64):
-        raise InvalidInput(f"{what} must have dtype int32 or int64, got {ids.dtype}")
-    if ids.dim() != 1:
-        raise InvalidInput(f"{what} must be 1-D, got shape {tuple(ids.shape)}")
-    return ids.to(torch.int64)
-
-
-def _index_list(ids: Sequence[int], what: str) -> list[int]:
-    """Return a sequence of ints as a list of Python ints, or raise InvalidInput."""
-    try:
-        return [operator.index(i) for i in ids]
-    except TypeError as exc:
-        raise InvalidInput(f"{what} must be ints (int32 or int64 tensor or a sequence of ints): {exc}") from None
-
-
-def _check_range(ids: torch.Tensor, limit: int, what: str) -> None:
-    """Raise InvalidInput unless every id lies in ``[0, limit)`` (host sync if on a device)."""
-    if ids.numel() == 0:
-        return
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= limit:
-        raise InvalidInput(f"{what} out of range: min {lo}, max {hi}, must lie in [0, {limit})")
+from akv.storage.tensor_args import (
+    IndexLike,
+    ids_and_list,
+    index_tensor,
+    torch_dtype,
+)
+from akv.storage.tensor_args import check_range as _check_range
+from akv.storage.tensor_args import raw_bytes as _raw
 
 
 class KVStorage:
@@ -233,7 +178,7 @@ class KVStorage:
     def _slots(self, slot_mapping: torch.Tensor, check_range: bool) -> torch.Tensor:
         if not isinstance(slot_mapping, torch.Tensor):
             raise InvalidInput(f"slot_mapping must be a torch.Tensor, got {type(slot_mapping).__name__}")
-        slots = _index_tensor(slot_mapping, "slot_mapping")
+        slots = index_tensor(slot_mapping, "slot_mapping")
         if check_range:
             _check_range(slots, self.num_slots + self.block_size, "slot_mapping")
         return slots.to(self.device, non_blocking=True)
@@ -319,11 +264,8 @@ class KVStorage:
                 destination appears twice, or an id is both source and
                 destination within the batch.
         """
-        # Checked on Python ints: a copy batch is small (CoW: a few blocks per
-        # step) and set arithmetic costs microseconds where torch.unique/isin
-        # cost tens of them; submit runs on the event loop.
-        src_t, src = self._copy_ids(src_block_ids, "src_block_ids")
-        dst_t, dst = self._copy_ids(dst_block_ids, "dst_block_ids")
+        src_t, src = ids_and_list(src_block_ids, self.num_blocks, "src_block_ids")
+        dst_t, dst = ids_and_list(dst_block_ids, self.num_blocks, "dst_block_ids")
         if len(src) != len(dst):
             raise InvalidInput(f"src_block_ids has {len(src)} ids but dst_block_ids has {len(dst)}")
         dst_set = set(dst)
@@ -333,20 +275,6 @@ class KVStorage:
         if both:
             raise InvalidInput(f"block ids are both source and destination: {sorted(both)}")
         return src_t, dst_t
-
-    def _copy_ids(self, ids: IndexLike, what: str) -> tuple[torch.Tensor, list[int]]:
-        """``ids`` as a CPU int64 tensor and a list, range-checked."""
-        if isinstance(ids, torch.Tensor):
-            tensor = _index_tensor(ids, what).cpu()
-            values = tensor.tolist()
-        else:
-            values = _index_list(ids, what)
-            tensor = torch.tensor(values, dtype=torch.int64)
-        if values and (min(values) < 0 or max(values) >= self.num_blocks):
-            raise InvalidInput(
-                f"{what} out of range: min {min(values)}, max {max(values)}, must lie in [0, {self.num_blocks})"
-            )
-        return tensor, values
 
     def copy_blocks(self, src_block_ids: IndexLike, dst_block_ids: IndexLike) -> None:
         """Copy whole blocks (K and V) in every layer: ``cache[:, dst] = cache[:, src]``.
@@ -395,7 +323,7 @@ class KVStorage:
         self._check_layer(layer)
         if not isinstance(block_table, torch.Tensor):
             raise InvalidInput(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
-        ids = _index_tensor(block_table, "block_table")
+        ids = index_tensor(block_table, "block_table")
         capacity = ids.numel() * self.block_size
         if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or not 0 <= num_tokens <= capacity:
             raise InvalidInput(
