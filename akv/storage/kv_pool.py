@@ -28,6 +28,7 @@ import torch
 
 from akv.config import KVCacheConfig
 from akv.errors import InvalidInput
+from akv.storage.host_pool import HostKVStorage
 from akv.storage.tensor_args import (
     IndexLike,
     ids_and_list,
@@ -50,17 +51,23 @@ class KVStorage:
         head_dim: Elements per head.
         dtype: Element dtype of the cache.
         device: Device of the tensors (``"cpu"``, ``"cuda:0"``, ...).
+        num_host_blocks: Slots of a host-memory tier to allocate beside the
+            pool (0, the default: none); see :class:`HostKVStorage`.
 
     Attributes:
         kv_caches: One tensor per layer,
             ``(2, num_blocks + 1, block_size, num_kv_heads, head_dim)``, K then
             V, zero-initialised; block ``num_blocks`` is the null block.
         null_block_id: ``num_blocks``: the block that pads block tables.
+        host: The host tier's tensors (pinned when ``device`` is CUDA), or
+            ``None`` without a tier. Copies between the tiers go through
+            :meth:`~akv.storage.CopyExecutor.submit_tiers`.
 
     Raises:
-        InvalidInput: A size is not a positive int, the dtype or device is
-            bad, CUDA is requested where it is not available, or the tensors
-            cannot be allocated.
+        InvalidInput: A size is not a positive int (``num_host_blocks``: not
+            a non-negative int), the dtype or device is bad, CUDA is
+            requested where it is not available, or the tensors cannot be
+            allocated.
     """
 
     def __init__(
@@ -73,7 +80,10 @@ class KVStorage:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        num_host_blocks: int = 0,
     ) -> None:
+        if not isinstance(num_host_blocks, int) or isinstance(num_host_blocks, bool) or num_host_blocks < 0:
+            raise InvalidInput(f"num_host_blocks must be a non-negative int, got {num_host_blocks!r}")
         sizes = {
             "num_blocks": num_blocks,
             "block_size": block_size,
@@ -107,14 +117,22 @@ class KVStorage:
         except RuntimeError as exc:  # includes torch.OutOfMemoryError
             nbytes = num_layers * 2 * (num_blocks + 1) * block_size * num_kv_heads * head_dim * dtype.itemsize
             raise InvalidInput(f"cannot allocate the KV pool ({nbytes / 2**30:,.2f} GiB on {device}): {exc}") from None
+        self.host: HostKVStorage | None = HostKVStorage.like(self, num_host_blocks) if num_host_blocks else None
 
     @classmethod
     def from_config(cls, config: KVCacheConfig) -> KVStorage | None:
         """Allocate the tensors a :class:`~akv.config.KVCacheConfig` describes.
 
+        With ``config.num_host_blocks > 0`` the storage gets a host tier of
+        that many slots (:attr:`host`).
+
         Returns:
             The storage, or ``None`` when ``config.storage == "none"``
-            (metadata-only simulation).
+            (metadata-only simulation; the host tier is then modelled by the
+            core alone).
+
+        Raises:
+            InvalidInput: An allocation fails (the message gives the GiB).
         """
         if config.storage == "none":
             return None
@@ -127,6 +145,7 @@ class KVStorage:
             head_dim=shape.head_dim,
             dtype=torch_dtype(shape.dtype),
             device=config.device,
+            num_host_blocks=config.num_host_blocks,
         )
 
     @property
@@ -340,5 +359,6 @@ class KVStorage:
         return (
             f"KVStorage(num_blocks={self.num_blocks}, block_size={self.block_size}, "
             f"num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
-            f"head_dim={self.head_dim}, dtype={self.dtype}, device={self.device})"
+            f"head_dim={self.head_dim}, dtype={self.dtype}, device={self.device}, "
+            f"host_blocks={0 if self.host is None else self.host.num_blocks})"
         )
