@@ -13,12 +13,15 @@ from akv.storage.host_pool import HostKVStorage
 from akv.storage.kv_pool import KVStorage, torch_dtype
 from akv.storage.paged_attention import paged_decode_attention, paged_prefill_attention
 from akv.storage.stream_worker import CopyExecutor
+from akv.storage.tier_copy import TierBatch, check_tier_batch
 
 __all__ = [
     "CopyExecutor",
     "CopyTicket",
     "HostKVStorage",
     "KVStorage",
+    "TierBatch",
+    "check_tier_batch",
     "paged_decode_attention",
     "paged_prefill_attention",
     "torch_dtype",
