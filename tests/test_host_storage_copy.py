@@ -147,6 +147,24 @@ def test_batches_run_in_submission_order() -> None:
     executor.close()
 
 
+def test_ids_mutated_after_submit_do_not_change_the_queued_copy() -> None:
+    storage = make_storage()
+    dev, host = snapshot(storage)
+    executor = CopyExecutor(storage)
+    src = torch.tensor([1, 2])
+    slots = torch.tensor([3, 4], dtype=torch.int32)
+    dst = torch.tensor([5])
+    executor.submit_tiers(d2h_src_ids=src, d2h_dst_slots=slots, h2d_src_slots=torch.tensor([0]), h2d_dst_ids=dst)
+    executor.submit(src[:1], dst)
+    src.fill_(NUM_BLOCKS + 5)  # the batches are queued, not run: the worker has not started
+    slots.fill_(-1)
+    dst.fill_(0)
+    executor.close()  # runs them now
+    apply_model(dev, host, d2h_src_ids=[1, 2], d2h_dst_slots=[3, 4], h2d_src_slots=[0], h2d_dst_ids=[5])
+    apply_model(dev, host, d2d_src_ids=[1], d2d_dst_ids=[5])
+    assert_same(storage, dev, host)
+
+
 BAD_BATCHES = [
     ({"d2h_src_ids": [1, 2], "d2h_dst_slots": [0]}, "d2h_src_ids has 2 ids but d2h_dst_slots has 1"),
     ({"h2d_src_slots": [1], "h2d_dst_ids": []}, "h2d_src_slots has 1 ids but h2d_dst_ids has 0"),

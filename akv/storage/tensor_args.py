@@ -105,8 +105,11 @@ def check_range(ids: torch.Tensor, limit: int, what: str) -> None:
 
 
 def ids_and_list(ids: IndexLike, limit: int, what: str) -> tuple[torch.Tensor, list[int]]:
-    """``ids`` as a CPU int64 tensor and a list of ints, each in ``[0, limit)``.
+    """``ids`` as a contiguous CPU int64 tensor of its own and a list of ints, each in ``[0, limit)``.
 
+    The tensor never shares memory with a tensor the caller passed: a queued
+    copy reads it later, on the worker thread, and must see the ids that were
+    validated, whatever the caller does with its tensor after ``submit``.
     Checked on Python ints: a copy batch is small (CoW: a few blocks per step)
     and ``min``/``max``/set arithmetic cost microseconds where ``torch.unique``
     or ``isin`` cost tens of them; submit runs on the event loop.
@@ -115,7 +118,7 @@ def ids_and_list(ids: IndexLike, limit: int, what: str) -> tuple[torch.Tensor, l
         InvalidInput: Not ints, not 1-D, or an id outside ``[0, limit)``.
     """
     if isinstance(ids, torch.Tensor):
-        tensor = index_tensor(ids, what).cpu()
+        tensor = index_tensor(ids, what).cpu().clone(memory_format=torch.contiguous_format)
         values = tensor.tolist()
     else:
         values = index_list(ids, what)
