@@ -84,9 +84,15 @@ def test_allocation_failure_names_the_gib() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="pinning works here")
 def test_pinned_without_cuda_is_invalid_input() -> None:
-    with pytest.raises(InvalidInput, match="pinned host memory"):
+    with pytest.raises(InvalidInput, match="pinned host pool needs CUDA"):
         HostKVStorage(
-            num_blocks=1, block_size=4, num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, pin_memory=True
+            num_blocks=1,
+            block_size=4,
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=2,
+            dtype=torch.float32,
+            cuda_device="cuda",
         )
 
 

@@ -12,15 +12,23 @@ the core converts, storage only ever sees slots. The host tier holds no null
 block: block tables never point into it (a model runner only reads device
 blocks), so no slot needs to absorb padded writes.
 
-When the device pool is on CUDA the tensors are page-locked (``pin_memory``),
-so the copy stream's transfers to and from them are true asynchronous DMA
-(pageable memory would make ``non_blocking`` copies synchronous, staged by
-the driver). Otherwise they are plain CPU tensors. The cross-tier copies are
+When the device pool is on CUDA the tensors are page-locked, so the copy
+stream's transfers to and from them are true asynchronous DMA (pageable memory
+would make ``non_blocking`` copies synchronous, staged by the driver), and
+mapped into the device's address space for zero-copy kernels
+(:mod:`akv.storage.tier_cuda`). They are allocated as ordinary CPU tensors and
+registered in place with ``cudaHostRegister`` (what SGLang's HiCache host pool
+and LMCache do), not with ``pin_memory=True``: torch's caching host allocator
+rounds every pinned allocation up to a power of two, so a 3.1 GiB layer would
+pin 4 GiB and a 100 GiB tier 128 GiB of unswappable memory. The registration
+is undone when the :class:`HostKVStorage` is collected. Otherwise the tensors
+are plain CPU memory. The cross-tier copies are
 :meth:`akv.storage.CopyExecutor.submit_tiers`.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +38,30 @@ from akv.storage.tensor_args import check_range, index_tensor, raw_bytes
 
 if TYPE_CHECKING:
     from akv.storage.kv_pool import KVStorage
+
+
+def _register(tensors: list[torch.Tensor], device: torch.device) -> None:
+    """Page-lock each tensor's memory in place (``cudaHostRegister``, default flags: mapped and portable under UVA).
+
+    Raises:
+        RuntimeError: CUDA refused a registration; those already made are undone.
+    """
+    cudart = torch.cuda.cudart()
+    done: list[torch.Tensor] = []
+    with torch.cuda.device(device):
+        for tensor in tensors:
+            error = int(cudart.cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0))
+            if error != 0:
+                _unregister(done)
+                raise RuntimeError(f"cudaHostRegister failed with CUDA error {error} ({tensor.nbytes:,} bytes)")
+            done.append(tensor)
+
+
+def _unregister(tensors: list[torch.Tensor]) -> None:
+    """Undo :func:`_register` (errors ignored: the process may be tearing CUDA down)."""
+    cudart = torch.cuda.cudart()
+    for tensor in tensors:
+        cudart.cudaHostUnregister(tensor.data_ptr())
 
 
 class HostKVStorage:
@@ -42,8 +74,9 @@ class HostKVStorage:
         num_kv_heads: Key/value heads per layer.
         head_dim: Elements per head.
         dtype: Element dtype (the device pool's).
-        pin_memory: Allocate page-locked memory (needs CUDA); ``True`` when
-            the device pool is on CUDA.
+        cuda_device: The CUDA device the pool serves: the memory is then
+            page-locked with that device current (so its context owns the
+            registration); ``None``: plain pageable memory (CPU pools).
 
     Attributes:
         kv_caches: One tensor per layer,
@@ -52,8 +85,9 @@ class HostKVStorage:
         pinned: Whether the tensors are page-locked.
 
     Raises:
-        InvalidInput: A size is not a positive int, the dtype is bad, or the
-            tensors cannot be allocated (the message gives the GiB).
+        InvalidInput: A size is not a positive int, the dtype is bad, CUDA is
+            not available for ``cuda_device``, or the tensors cannot be
+            allocated or page-locked (the message gives the GiB).
     """
 
     def __init__(
@@ -65,7 +99,7 @@ class HostKVStorage:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
-        pin_memory: bool = False,
+        cuda_device: torch.device | str | None = None,
     ) -> None:
         sizes = {
             "num_blocks": num_blocks,
@@ -84,25 +118,31 @@ class HostKVStorage:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.pinned = bool(pin_memory)
+        self.pinned = cuda_device is not None
+        if self.pinned and not torch.cuda.is_available():
+            raise InvalidInput("a pinned host pool needs CUDA, which is not available on this machine")
         shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
-        # each: (2, num_blocks, block_size, num_kv_heads, head_dim), K then V; no null block
+        nbytes = num_layers * 2 * num_blocks * block_size * num_kv_heads * head_dim * dtype.itemsize
+        kind = "pinned host memory" if self.pinned else "host memory"
         try:
-            self.kv_caches: list[torch.Tensor] = [
-                torch.zeros(shape, dtype=dtype, pin_memory=self.pinned) for _ in range(num_layers)
-            ]
-        except RuntimeError as exc:  # out of memory, or pinning without CUDA
-            nbytes = num_layers * 2 * num_blocks * block_size * num_kv_heads * head_dim * dtype.itemsize
-            kind = "pinned host memory" if self.pinned else "host memory"
+            # each: (2, num_blocks, block_size, num_kv_heads, head_dim), K then V; no null block
+            self.kv_caches: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+            if cuda_device is not None:
+                _register(self.kv_caches, torch.device(cuda_device))
+        except RuntimeError as exc:  # out of memory, page-locking refused, bad device
+            self.kv_caches = []
             raise InvalidInput(
                 f"cannot allocate the host KV pool ({nbytes / 2**30:,.2f} GiB of {kind}): {exc}"
             ) from None
+        if self.pinned:
+            weakref.finalize(self, _unregister, list(self.kv_caches)).atexit = False
 
     @classmethod
     def like(cls, storage: KVStorage, num_blocks: int) -> HostKVStorage:
         """A host pool of ``num_blocks`` slots with ``storage``'s block shape and dtype.
 
-        Pinned when ``storage`` is on CUDA, plain CPU memory otherwise.
+        Page-locked for ``storage``'s device when it is a CUDA device, plain
+        CPU memory otherwise.
 
         Raises:
             InvalidInput: ``num_blocks`` is not a positive int, or the
@@ -115,7 +155,7 @@ class HostKVStorage:
             num_kv_heads=storage.num_kv_heads,
             head_dim=storage.head_dim,
             dtype=storage.dtype,
-            pin_memory=storage.device.type == "cuda",
+            cuda_device=storage.device if storage.device.type == "cuda" else None,
         )
 
     @property

@@ -76,13 +76,16 @@ class CopyExecutor:
     Args:
         storage: The tensors to copy in; ``None`` for metadata-only mode, where
             batches complete inside ``submit`` (block counts kept, ``nbytes`` 0).
+        zero_copy: On CUDA, let fragmented cross-tier phases run as kernels on
+            a device alias of the pinned host pool (see
+            :mod:`akv.storage.tier_cuda`); ``False``: DMA only. Ignored on CPU.
 
     Attributes:
         completed_seq_no: ``seq_no`` of the last batch that finished or failed
             (0 before any); monotone, readable from any thread.
     """
 
-    def __init__(self, storage: KVStorage | None) -> None:
+    def __init__(self, storage: KVStorage | None, *, zero_copy: bool = True) -> None:
         self.storage = storage
         self.completed_seq_no = 0
         self._queue: queue.SimpleQueue[_Job | object] = queue.SimpleQueue()
@@ -95,7 +98,7 @@ class CopyExecutor:
         self._thread: threading.Thread | None = None
         self._cuda = storage is not None and storage.device.type == "cuda"
         self._cpu_copier = TierCopier(storage) if storage is not None and not self._cuda else None
-        self._cuda_copier = CudaTierCopier(storage) if self._cuda else None
+        self._cuda_copier = CudaTierCopier(storage, zero_copy) if storage is not None and self._cuda else None
         #: Called from the worker thread with the :class:`ActorCrashed` of a failed
         #: batch (a device error), once per failed batch; the manager fails itself.
         self.on_failure: Callable[[ActorCrashed], object] | None = None

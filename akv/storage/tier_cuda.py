@@ -23,8 +23,12 @@ consecutive slots form runs):
   CUDA tensor aliasing the host pool (:func:`device_view`) lets
   ``index_select`` / ``index_copy_`` read or write host slots directly over
   PCIe: two kernels per layer whatever the fragmentation of the slots (SGLang
-  HiCache's "kernel" I/O backend does the same with its own kernels). If
-  torch cannot build the alias, every batch takes the DMA route
+  HiCache's "kernel" I/O backend does the same with its own kernels). The
+  host pool is registered with ``cudaHostRegister``, whose memory the device
+  reaches at the host address where
+  ``cudaDevAttrCanUseHostPointerForRegisteredMem`` is set (discrete GPUs on
+  64-bit Linux); elsewhere pass ``zero_copy=False`` to the executor. If torch
+  cannot build the alias, every batch takes the DMA route
   (:attr:`CudaTierCopier.zero_copy` says which).
 - (b) is :meth:`KVStorage._copy_unchecked`, as for ``submit(src, dst)``.
 
@@ -85,9 +89,12 @@ class _HostArray:
 def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
     """A CUDA tensor on ``device`` aliasing the pinned, contiguous ``host`` tensor (zero-copy), or ``None``.
 
-    torch builds it from ``__cuda_array_interface__`` with ``at::from_blob``,
-    which asks ``cudaPointerGetAttributes`` for the pointer's device; pinned
-    memory answers with the device whose context allocated it.
+    torch builds it from ``__cuda_array_interface__`` with ``at::from_blob``
+    on ``device`` (older releases ask ``cudaPointerGetAttributes`` for the
+    pointer's device instead, which for registered memory is the device that
+    was current at registration: :class:`HostKVStorage` registers with
+    ``device`` current). ``device`` is passed explicitly because without it
+    older releases copy the interface's memory to the default device.
 
     Args:
         host: Pinned, contiguous CPU tensor of an integer dtype (a row view).
@@ -101,7 +108,7 @@ def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | None
         return None
     try:
         with torch.cuda.device(device):
-            view = torch.as_tensor(_HostArray(host))
+            view = torch.as_tensor(_HostArray(host), device=device)
     except (RuntimeError, TypeError, ValueError):
         return None
     if view.device != device or view.data_ptr() != host.data_ptr() or view.shape != host.shape:
@@ -121,6 +128,8 @@ class CudaTierCopier:
 
     Args:
         storage: A CUDA pool, with or without a host tier (pinned).
+        zero_copy: Alias the host pool on the device for fragmented phases;
+            ``False`` takes the DMA route for every phase.
 
     Attributes:
         zero_copy: Whether the host pool is aliased on the device, so that
@@ -128,13 +137,13 @@ class CudaTierCopier:
             per run of slots and plane.
     """
 
-    def __init__(self, storage: KVStorage) -> None:
+    def __init__(self, storage: KVStorage, zero_copy: bool = True) -> None:
         self.storage = storage
         self.device = storage.device
         self._dev_rows = [row_view(cache) for cache in storage.kv_caches]
         host = storage.host
         self._host_rows = [] if host is None else [row_view(cache) for cache in host.kv_caches]
-        views = [device_view(rows, self.device) for rows in self._host_rows]
+        views = [device_view(rows, self.device) for rows in self._host_rows] if zero_copy else []
         self._host_views = views if views and all(v is not None for v in views) else None
         self.zero_copy = self._host_views is not None
 
