@@ -131,6 +131,9 @@ def plan_row_copy(dst_ids: np.ndarray, src_ids: np.ndarray, row_bytes: int, kind
     chunk_rows = max(1, CHUNK_BYTES // (2 * row_bytes))
     if m == 0:
         return RowCopyPlan(kind or "runs", 0, (), torch.empty(0, dtype=torch.int64), dst_ids, chunk_rows)
+    if kind in (None, "runs") and (m == 1 or (np.all(np.diff(dst_ids) == 1) and np.all(np.diff(src_ids) == 1))):
+        run = ((int(dst_ids[0]), int(src_ids[0]), m),)  # one run in the given order: no sort needed
+        return RowCopyPlan("runs", m, run, torch.from_numpy(np.ascontiguousarray(src_ids)), dst_ids, chunk_rows)
     by_dst = np.argsort(dst_ids, kind="stable")
     d_sorted, s_by_d = dst_ids[by_dst], src_ids[by_dst]
     by_src = np.argsort(src_ids, kind="stable")
