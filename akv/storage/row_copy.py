@@ -92,20 +92,25 @@ def run_starts(*sorted_ids: np.ndarray) -> np.ndarray:
         Ascending int64 indices, the first 0: a run ends where any array does
         not advance by exactly one.
     """
-    steps = np.ones(len(sorted_ids[0]) - 1, dtype=bool)
-    for ids in sorted_ids:
+    steps = np.diff(sorted_ids[0]) == 1
+    for ids in sorted_ids[1:]:
         steps &= np.diff(ids) == 1
-    return np.concatenate(([0], np.flatnonzero(~steps) + 1))
+    return _starts(steps)
+
+
+def _starts(steps: np.ndarray) -> np.ndarray:
+    """Run starts from the ``(m - 1,)`` booleans "pair i + 1 continues pair i's run"."""
+    return np.flatnonzero(np.concatenate(([False], steps)) == 0)
 
 
 def runs_of(
     starts: np.ndarray, first: np.ndarray, second: np.ndarray | None = None
 ) -> tuple[tuple[int, int, int], ...]:
     """Runs as ``(first[start], second[start] or start, length)`` for each start of :func:`run_starts`."""
-    ends = np.append(starts[1:], len(first))
-    if second is None:
-        return tuple((int(first[a]), int(a), int(b - a)) for a, b in zip(starts, ends))
-    return tuple((int(first[a]), int(second[a]), int(b - a)) for a, b in zip(starts, ends))
+    begin = starts.tolist()
+    lengths = np.diff(starts, append=len(first)).tolist()
+    other = begin if second is None else second[starts].tolist()
+    return tuple(zip(first[starts].tolist(), other, lengths))
 
 
 def plan_row_copy(dst_ids: np.ndarray, src_ids: np.ndarray, row_bytes: int, kind: str | None = None) -> RowCopyPlan:
@@ -138,11 +143,12 @@ def plan_row_copy(dst_ids: np.ndarray, src_ids: np.ndarray, row_bytes: int, kind
     d_sorted, s_by_d = dst_ids[by_dst], src_ids[by_dst]
     by_src = np.argsort(src_ids, kind="stable")
     s_sorted, d_by_s = src_ids[by_src], dst_ids[by_src]
-    both = run_starts(d_sorted, s_by_d)
-    gather = run_starts(d_sorted)
+    d_steps = np.diff(d_sorted) == 1
+    gather = _starts(d_steps)
+    both = _starts(d_steps & (np.diff(s_by_d) == 1))
     scatter = run_starts(s_sorted)
     calls = (len(both), len(gather), len(scatter), -(-m // chunk_rows))
-    costs = [n * CALL_COST_US[kind] for kind, n in zip(KINDS, calls)]
+    costs = [n * CALL_COST_US[k] for k, n in zip(KINDS, calls)]
     costs[3] += 2 * m * row_bytes / BUFFER_BYTES_PER_US
     if kind is None:
         kind = KINDS[costs.index(min(costs))]
