@@ -10,6 +10,10 @@ within each rep so background load hits all methods alike:
 - ``akv``: ``CopyExecutor.submit_tiers(...)`` then ``ticket.wait()`` on a
   started executor (validation, queue, worker thread, the one-pass row copies
   of :mod:`akv.storage.row_copy`; on CUDA the copy stream and its fence);
+- ``akv x4``: four such batches submitted back to back, then a wait on the
+  last; time per batch: the executor's sustained throughput when batches
+  queue up (an eviction pass, several admissions), its thread hand-offs
+  amortized;
 - ``akv copier``: the same copies on the calling thread (``TierCopier.run``
   of a validated batch, CPU only): ``akv`` minus the executor's queue and
   thread hand-offs, which on a loaded 2-core VM can cost milliseconds;
@@ -159,19 +163,14 @@ def bench_one(storage: KVStorage, executors: dict[str, CopyExecutor], args: argp
                 pairs = draw_pairs(args, m, pattern, gen)
                 fns: dict[str, Callable[[int], None]] = {"torch copy": plain_copy(storage, direction, pairs)}
                 for name, executor in executors.items():
-                    if direction == "d2h":
-                        fns[name] = lambda i, e=executor, p=pairs: e.submit_tiers(
-                            d2h_src_ids=p[i][0], d2h_dst_slots=p[i][1]
-                        ).wait()
-                    else:
-                        fns[name] = lambda i, e=executor, p=pairs: e.submit_tiers(
-                            h2d_src_slots=p[i][1], h2d_dst_ids=p[i][0]
-                        ).wait()
+                    fns[name] = through(executor, direction, pairs, 1)
+                    fns[f"{name} x4"] = through(executor, direction, pairs, 4)
                 if dev_type == "cpu":
                     fns["akv copier"] = copier(storage, direction, pairs)
                     if m <= 32:
                         fns["index_copy"] = index_copy(storage, direction, pairs)
                 seconds = time_interleaved(fns, storage.device, args.reps, args.warmup)
+                seconds = {k: v / 4 if k.endswith(" x4") else v for k, v in seconds.items()}
                 nbytes = m * storage.bytes_per_block
                 base = seconds["torch copy"]
                 for method, s in seconds.items():
@@ -190,6 +189,23 @@ def bench_one(storage: KVStorage, executors: dict[str, CopyExecutor], args: argp
                     )
                 print_rows(rows[-len(seconds) :])
     return rows
+
+
+def through(
+    executor: CopyExecutor, direction: str, pairs: list[tuple[list, list]], depth: int
+) -> Callable[[int], None]:
+    """``akv`` (depth 1) or ``akv x4``: submit ``depth`` batches of rep ``i``, wait for the last."""
+
+    def run(i: int) -> None:
+        ids, slots = pairs[i]
+        for _ in range(depth):
+            if direction == "d2h":
+                ticket = executor.submit_tiers(d2h_src_ids=ids, d2h_dst_slots=slots)
+            else:
+                ticket = executor.submit_tiers(h2d_src_slots=slots, h2d_dst_ids=ids)
+        ticket.wait()
+
+    return run
 
 
 def copier(storage: KVStorage, direction: str, pairs: list[tuple[list, list]]) -> Callable[[int], None]:
