@@ -36,8 +36,11 @@ class CopyTicket:
 
     Attributes:
         seq_no: Submission number, 1 for the first batch of an executor.
-        num_blocks: Block pairs copied by the batch.
+        num_blocks: Block pairs copied by the batch, all phases
+            (``d2h_blocks + device-to-device pairs + h2d_blocks``).
         nbytes: Bytes written (``num_blocks * bytes_per_block``; 0 in metadata mode).
+        d2h_blocks: Pairs of the device-to-host phase (demotion, swap-out).
+        h2d_blocks: Pairs of the host-to-device phase (promotion, swap-in).
         fence: On CUDA, a ``torch.cuda.Event`` recorded on the copy stream after
             the copies, already recorded when :meth:`CopyExecutor.submit`
             returns; a consumer orders its stream after the copies with
@@ -52,16 +55,29 @@ class CopyTicket:
         "_exc",
         "_lock",
         "_loop_waiters",
+        "d2h_blocks",
         "fence",
+        "h2d_blocks",
         "nbytes",
         "num_blocks",
         "seq_no",
     )
 
-    def __init__(self, *, seq_no: int, num_blocks: int, nbytes: int, fence: torch.cuda.Event | None) -> None:
+    def __init__(
+        self,
+        *,
+        seq_no: int,
+        num_blocks: int,
+        nbytes: int,
+        fence: torch.cuda.Event | None,
+        d2h_blocks: int = 0,
+        h2d_blocks: int = 0,
+    ) -> None:
         self.seq_no = seq_no
         self.num_blocks = num_blocks
         self.nbytes = nbytes
+        self.d2h_blocks = d2h_blocks
+        self.h2d_blocks = h2d_blocks
         self.fence = fence
         self._done = threading.Event()
         self._exc: BaseException | None = None

@@ -24,73 +24,19 @@ No asyncio here; :class:`akv.storage.stream_worker.CopyExecutor` runs
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Sequence
-
 import torch
 
 from akv.config import KVCacheConfig
 from akv.errors import InvalidInput
-
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-}
-
-IndexLike = torch.Tensor | Sequence[int]
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """Resolve a dtype name from :class:`akv.config.ModelShape` to a torch dtype.
-
-    Args:
-        name: ``float32``, ``float16``, ``bfloat16`` or ``float8_e4m3fn``.
-
-    Returns:
-        The matching ``torch.dtype``.
-
-    Raises:
-        InvalidInput: Unknown name; the message lists the known ones.
-    """
-    try:
-        return _TORCH_DTYPES[name]
-    except KeyError:
-        raise InvalidInput(f"unknown dtype {name!r}; known: {', '.join(_TORCH_DTYPES)}") from None
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """View float8 as uint8 (CPU ``index_copy_`` has no float8 kernel); copies are bytewise anyway."""
-    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
-
-
-def _index_tensor(ids: IndexLike, what: str) -> torch.Tensor:
-    """Return ``ids`` as a 1-D int64 tensor (on its own device), or raise InvalidInput."""
-    if not isinstance(ids, torch.Tensor):
-        return torch.tensor(_index_list(ids, what), dtype=torch.int64)
-    if ids.dtype not in (torch.int32, torch.int64):
-        raise InvalidInput(f"{what} must have dtype int32 or int64, got {ids.dtype}")
-    if ids.dim() != 1:
-        raise InvalidInput(f"{what} must be 1-D, got shape {tuple(ids.shape)}")
-    return ids.to(torch.int64)
-
-
-def _index_list(ids: Sequence[int], what: str) -> list[int]:
-    """Return a sequence of ints as a list of Python ints, or raise InvalidInput."""
-    try:
-        return [operator.index(i) for i in ids]
-    except TypeError as exc:
-        raise InvalidInput(f"{what} must be ints (int32 or int64 tensor or a sequence of ints): {exc}") from None
-
-
-def _check_range(ids: torch.Tensor, limit: int, what: str) -> None:
-    """Raise InvalidInput unless every id lies in ``[0, limit)`` (host sync if on a device)."""
-    if ids.numel() == 0:
-        return
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= limit:
-        raise InvalidInput(f"{what} out of range: min {lo}, max {hi}, must lie in [0, {limit})")
+from akv.storage.host_pool import HostKVStorage
+from akv.storage.tensor_args import (
+    IndexLike,
+    ids_and_list,
+    index_tensor,
+    torch_dtype,
+)
+from akv.storage.tensor_args import check_range as _check_range
+from akv.storage.tensor_args import raw_bytes as _raw
 
 
 class KVStorage:
@@ -105,17 +51,23 @@ class KVStorage:
         head_dim: Elements per head.
         dtype: Element dtype of the cache.
         device: Device of the tensors (``"cpu"``, ``"cuda:0"``, ...).
+        num_host_blocks: Slots of a host-memory tier to allocate beside the
+            pool (0, the default: none); see :class:`HostKVStorage`.
 
     Attributes:
         kv_caches: One tensor per layer,
             ``(2, num_blocks + 1, block_size, num_kv_heads, head_dim)``, K then
             V, zero-initialised; block ``num_blocks`` is the null block.
         null_block_id: ``num_blocks``: the block that pads block tables.
+        host: The host tier's tensors (pinned when ``device`` is CUDA), or
+            ``None`` without a tier. Copies between the tiers go through
+            :meth:`~akv.storage.CopyExecutor.submit_tiers`.
 
     Raises:
-        InvalidInput: A size is not a positive int, the dtype or device is
-            bad, CUDA is requested where it is not available, or the tensors
-            cannot be allocated.
+        InvalidInput: A size is not a positive int (``num_host_blocks``: not
+            a non-negative int), the dtype or device is bad, CUDA is
+            requested where it is not available, or the tensors cannot be
+            allocated.
     """
 
     def __init__(
@@ -128,7 +80,10 @@ class KVStorage:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        num_host_blocks: int = 0,
     ) -> None:
+        if not isinstance(num_host_blocks, int) or isinstance(num_host_blocks, bool) or num_host_blocks < 0:
+            raise InvalidInput(f"num_host_blocks must be a non-negative int, got {num_host_blocks!r}")
         sizes = {
             "num_blocks": num_blocks,
             "block_size": block_size,
@@ -162,14 +117,22 @@ class KVStorage:
         except RuntimeError as exc:  # includes torch.OutOfMemoryError
             nbytes = num_layers * 2 * (num_blocks + 1) * block_size * num_kv_heads * head_dim * dtype.itemsize
             raise InvalidInput(f"cannot allocate the KV pool ({nbytes / 2**30:,.2f} GiB on {device}): {exc}") from None
+        self.host: HostKVStorage | None = HostKVStorage.like(self, num_host_blocks) if num_host_blocks else None
 
     @classmethod
     def from_config(cls, config: KVCacheConfig) -> KVStorage | None:
         """Allocate the tensors a :class:`~akv.config.KVCacheConfig` describes.
 
+        With ``config.num_host_blocks > 0`` the storage gets a host tier of
+        that many slots (:attr:`host`).
+
         Returns:
             The storage, or ``None`` when ``config.storage == "none"``
-            (metadata-only simulation).
+            (metadata-only simulation; the host tier is then modelled by the
+            core alone).
+
+        Raises:
+            InvalidInput: An allocation fails (the message gives the GiB).
         """
         if config.storage == "none":
             return None
@@ -182,6 +145,7 @@ class KVStorage:
             head_dim=shape.head_dim,
             dtype=torch_dtype(shape.dtype),
             device=config.device,
+            num_host_blocks=config.num_host_blocks,
         )
 
     @property
@@ -233,7 +197,7 @@ class KVStorage:
     def _slots(self, slot_mapping: torch.Tensor, check_range: bool) -> torch.Tensor:
         if not isinstance(slot_mapping, torch.Tensor):
             raise InvalidInput(f"slot_mapping must be a torch.Tensor, got {type(slot_mapping).__name__}")
-        slots = _index_tensor(slot_mapping, "slot_mapping")
+        slots = index_tensor(slot_mapping, "slot_mapping")
         if check_range:
             _check_range(slots, self.num_slots + self.block_size, "slot_mapping")
         return slots.to(self.device, non_blocking=True)
@@ -319,11 +283,8 @@ class KVStorage:
                 destination appears twice, or an id is both source and
                 destination within the batch.
         """
-        # Checked on Python ints: a copy batch is small (CoW: a few blocks per
-        # step) and set arithmetic costs microseconds where torch.unique/isin
-        # cost tens of them; submit runs on the event loop.
-        src_t, src = self._copy_ids(src_block_ids, "src_block_ids")
-        dst_t, dst = self._copy_ids(dst_block_ids, "dst_block_ids")
+        src_t, src = ids_and_list(src_block_ids, self.num_blocks, "src_block_ids")
+        dst_t, dst = ids_and_list(dst_block_ids, self.num_blocks, "dst_block_ids")
         if len(src) != len(dst):
             raise InvalidInput(f"src_block_ids has {len(src)} ids but dst_block_ids has {len(dst)}")
         dst_set = set(dst)
@@ -333,20 +294,6 @@ class KVStorage:
         if both:
             raise InvalidInput(f"block ids are both source and destination: {sorted(both)}")
         return src_t, dst_t
-
-    def _copy_ids(self, ids: IndexLike, what: str) -> tuple[torch.Tensor, list[int]]:
-        """``ids`` as a CPU int64 tensor and a list, range-checked."""
-        if isinstance(ids, torch.Tensor):
-            tensor = _index_tensor(ids, what).cpu()
-            values = tensor.tolist()
-        else:
-            values = _index_list(ids, what)
-            tensor = torch.tensor(values, dtype=torch.int64)
-        if values and (min(values) < 0 or max(values) >= self.num_blocks):
-            raise InvalidInput(
-                f"{what} out of range: min {min(values)}, max {max(values)}, must lie in [0, {self.num_blocks})"
-            )
-        return tensor, values
 
     def copy_blocks(self, src_block_ids: IndexLike, dst_block_ids: IndexLike) -> None:
         """Copy whole blocks (K and V) in every layer: ``cache[:, dst] = cache[:, src]``.
@@ -395,7 +342,7 @@ class KVStorage:
         self._check_layer(layer)
         if not isinstance(block_table, torch.Tensor):
             raise InvalidInput(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
-        ids = _index_tensor(block_table, "block_table")
+        ids = index_tensor(block_table, "block_table")
         capacity = ids.numel() * self.block_size
         if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or not 0 <= num_tokens <= capacity:
             raise InvalidInput(
@@ -412,5 +359,6 @@ class KVStorage:
         return (
             f"KVStorage(num_blocks={self.num_blocks}, block_size={self.block_size}, "
             f"num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
-            f"head_dim={self.head_dim}, dtype={self.dtype}, device={self.device})"
+            f"head_dim={self.head_dim}, dtype={self.dtype}, device={self.device}, "
+            f"host_blocks={0 if self.host is None else self.host.num_blocks})"
         )

@@ -1,11 +1,14 @@
 """The stream worker's execution engine: block copies in submission order, off the event loop.
 
-:class:`CopyExecutor` takes batches of ``(src, dst)`` block copies
-(:meth:`KVStorage.copy_blocks` semantics) and runs them strictly in submission
-order; each :meth:`CopyExecutor.submit` returns a :class:`CopyTicket` to wait
-on (blocking, or ``await`` without blocking the loop or holding a thread; see
-:mod:`akv.storage.copy_ticket`). The manager runs the worker loop in a thread
-of its own; this module holds no event-loop state.
+:class:`CopyExecutor` takes batches of block copies and runs them strictly in
+submission order; each submit returns a :class:`CopyTicket` to wait on
+(blocking, or ``await`` without blocking the loop or holding a thread; see
+:mod:`akv.storage.copy_ticket`). :meth:`CopyExecutor.submit` takes
+``(src, dst)`` device block pairs (:meth:`KVStorage.copy_blocks` semantics,
+copy-on-write); :meth:`CopyExecutor.submit_tiers` takes a batch of three
+phases run in order, device → host, device → device, host → device
+(:mod:`akv.storage.tier_copy`), for the host tier. The manager runs the worker
+loop in a thread of its own; this module holds no event-loop state.
 
 On CUDA, copies run on a dedicated ``torch.cuda.Stream``. They are *enqueued
 by* :meth:`~CopyExecutor.submit` (kernel launches are asynchronous, so this
@@ -17,11 +20,14 @@ in ``submit`` rather than in the thread is deliberate: ``cudaStreamWaitEvent``
 on an event that has not been recorded yet is a no-op, so a fence recorded
 later by the thread could silently fail to order a model runner that waits on
 it right after ``submit``. Here ``ticket.fence`` is recorded before ``submit``
-returns.
+returns. Cross-tier phases are enqueued the same way, all on the copy stream,
+with no CPU-side step; :mod:`akv.storage.tier_cuda` gives the ordering
+argument.
 
-On CPU, the worker thread runs the copies with torch ops (large copies release
-the GIL). With ``CopyExecutor(None)`` (metadata-only pools) every batch
-completes inside ``submit`` and no tensor is touched.
+On CPU, the worker thread runs the copies with torch and numpy ops (large
+copies release the GIL), the phases of a batch in order; the host pool is
+touched by the worker thread only. With ``CopyExecutor(None)`` (metadata-only
+pools) every batch completes inside ``submit`` and no tensor is touched.
 """
 
 from __future__ import annotations
@@ -35,7 +41,10 @@ import torch
 
 from akv.errors import ActorCrashed, InvalidInput, ManagerClosed
 from akv.storage.copy_ticket import CopyTicket
-from akv.storage.kv_pool import IndexLike, KVStorage
+from akv.storage.kv_pool import KVStorage
+from akv.storage.tensor_args import IndexLike
+from akv.storage.tier_copy import TierBatch, TierCopier, check_tier_batch, tier_batch_sizes
+from akv.storage.tier_cuda import CudaTierCopier
 
 _ACTOR = "stream worker"
 
@@ -43,8 +52,7 @@ _ACTOR = "stream worker"
 @dataclass(slots=True)
 class _Job:
     ticket: CopyTicket
-    src: torch.Tensor | None  # (m,) int64 ids on the cache device; None on CUDA (already enqueued)
-    dst: torch.Tensor | None
+    batch: TierBatch | None  # CPU: the validated batch (CPU int64 ids); None on CUDA (already enqueued)
     keepalive: tuple[torch.Tensor, ...] = ()  # CUDA: index tensors the enqueued copies read
 
 
@@ -68,13 +76,16 @@ class CopyExecutor:
     Args:
         storage: The tensors to copy in; ``None`` for metadata-only mode, where
             batches complete inside ``submit`` (block counts kept, ``nbytes`` 0).
+        zero_copy: On CUDA, let fragmented cross-tier phases run as kernels on
+            a device alias of the pinned host pool (see
+            :mod:`akv.storage.tier_cuda`); ``False``: DMA only. Ignored on CPU.
 
     Attributes:
         completed_seq_no: ``seq_no`` of the last batch that finished or failed
             (0 before any); monotone, readable from any thread.
     """
 
-    def __init__(self, storage: KVStorage | None) -> None:
+    def __init__(self, storage: KVStorage | None, *, zero_copy: bool = True) -> None:
         self.storage = storage
         self.completed_seq_no = 0
         self._queue: queue.SimpleQueue[_Job | object] = queue.SimpleQueue()
@@ -86,6 +97,8 @@ class CopyExecutor:
         self._failure: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._cuda = storage is not None and storage.device.type == "cuda"
+        self._cpu_copier = TierCopier(storage) if storage is not None and not self._cuda else None
+        self._cuda_copier = CudaTierCopier(storage, zero_copy) if storage is not None and self._cuda else None
         #: Called from the worker thread with the :class:`ActorCrashed` of a failed
         #: batch (a device error), once per failed batch; the manager fails itself.
         self.on_failure: Callable[[ActorCrashed], object] | None = None
@@ -141,7 +154,8 @@ class CopyExecutor:
 
         Validation runs here, so bad input raises before anything is queued.
         On CUDA the copies are also enqueued on the copy stream here (ordered
-        after the caller's current stream); see the module docstring.
+        after the caller's current stream); see the module docstring. The same
+        as :meth:`submit_tiers` with the device-to-device phase only.
 
         Args:
             src_ids: ``(m,)`` source block ids (list or int32/int64 tensor).
@@ -155,28 +169,100 @@ class CopyExecutor:
             ManagerClosed: :meth:`close` was called.
             ActorCrashed: An earlier batch failed inside the worker.
         """
+        if self.storage is None:
+            if len(src_ids) != len(dst_ids):
+                raise InvalidInput(f"src_ids has {len(src_ids)} ids but dst_ids has {len(dst_ids)}")
+            return self._submit_metadata(0, len(src_ids), 0)
+        return self._submit_batch(check_tier_batch(self.storage, d2d_src_ids=src_ids, d2d_dst_ids=dst_ids))
+
+    def submit_tiers(
+        self,
+        *,
+        d2h_src_ids: IndexLike = (),
+        d2h_dst_slots: IndexLike = (),
+        d2d_src_ids: IndexLike = (),
+        d2d_dst_ids: IndexLike = (),
+        h2d_src_slots: IndexLike = (),
+        h2d_dst_ids: IndexLike = (),
+    ) -> CopyTicket:
+        """Queue one cross-tier batch: device → host, then device → device, then host → device.
+
+        Non-blocking and thread-safe, like :meth:`submit`; the phases run in
+        that order inside the one ticket (:mod:`akv.storage.tier_copy`), so a
+        device block demoted by the first phase may be a destination of the
+        last. Host slots are indices into :attr:`KVStorage.host`
+        (``0 .. num_host_blocks - 1``), not tree ids. On CUDA every phase is
+        enqueued on the copy stream here and ``ticket.fence`` orders a
+        consumer after all of them (:mod:`akv.storage.tier_cuda`).
+
+        Args:
+            d2h_src_ids: ``(a,)`` device block ids to copy out (demotion, swap-out).
+            d2h_dst_slots: ``(a,)`` host slots they go to, distinct.
+            d2d_src_ids: ``(b,)`` device block ids (copy-on-write sources).
+            d2d_dst_ids: ``(b,)`` device block ids, distinct, none a source.
+            h2d_src_slots: ``(c,)`` host slots to copy in (promotion, swap-in).
+            h2d_dst_ids: ``(c,)`` device block ids they go to, distinct.
+
+        Returns:
+            The batch's ticket: ``num_blocks = a + b + c``, ``d2h_blocks = a``,
+            ``h2d_blocks = c``, ``nbytes = num_blocks * bytes_per_block``.
+
+        Raises:
+            InvalidInput: See :func:`~akv.storage.tier_copy.check_tier_batch`;
+                in metadata mode only mismatched lengths. Nothing is queued.
+            ManagerClosed: :meth:`close` was called.
+            ActorCrashed: An earlier batch failed inside the worker, or
+                enqueueing this one on the device failed (the executor is
+                then broken).
+        """
+        phases = {
+            "d2h_src_ids": d2h_src_ids,
+            "d2h_dst_slots": d2h_dst_slots,
+            "d2d_src_ids": d2d_src_ids,
+            "d2d_dst_ids": d2d_dst_ids,
+            "h2d_src_slots": h2d_src_slots,
+            "h2d_dst_ids": h2d_dst_ids,
+        }
+        if self.storage is None:
+            return self._submit_metadata(*tier_batch_sizes(**phases))
+        return self._submit_batch(check_tier_batch(self.storage, **phases))
+
+    def _submit_metadata(self, num_d2h: int, num_d2d: int, num_h2d: int) -> CopyTicket:
+        """Metadata mode: number the batch and complete it at once."""
+        with self._lock:
+            self._check_open_locked()
+            ticket = CopyTicket(
+                seq_no=self._next_seq_no,
+                num_blocks=num_d2h + num_d2d + num_h2d,
+                nbytes=0,
+                fence=None,
+                d2h_blocks=num_d2h,
+                h2d_blocks=num_h2d,
+            )
+            self._next_seq_no += 1
+            self.completed_seq_no = ticket.seq_no
+        ticket._finish(None)
+        return ticket
+
+    def _submit_batch(self, batch: TierBatch) -> CopyTicket:
+        """Number a validated batch and queue it (on CUDA: enqueue it on the copy stream first)."""
         storage = self.storage
-        if storage is None:
-            num_blocks = len(src_ids)
-            if num_blocks != len(dst_ids):
-                raise InvalidInput(f"src_ids has {num_blocks} ids but dst_ids has {len(dst_ids)}")
-            with self._lock:
-                self._check_open_locked()
-                ticket = CopyTicket(seq_no=self._next_seq_no, num_blocks=num_blocks, nbytes=0, fence=None)
-                self._next_seq_no += 1
-                self.completed_seq_no = ticket.seq_no
-            ticket._finish(None)
-            return ticket
-        src, dst = storage.check_copy_ids(src_ids, dst_ids)  # CPU int64, validated
-        nbytes = src.numel() * storage.bytes_per_block
+        assert storage is not None, "a tensor batch without storage"
+        counts = {"num_blocks": batch.num_blocks, "d2h_blocks": batch.num_d2h, "h2d_blocks": batch.num_h2d}
+        nbytes = batch.num_blocks * storage.bytes_per_block
         with self._lock:
             self._check_open_locked()
             seq_no = self._next_seq_no
-            if self._cuda:
-                job = self._enqueue_cuda(seq_no, src, dst, nbytes)
+            if self._cuda_copier is not None:
+                assert self._stream is not None, "CUDA path without a copy stream"
+                try:
+                    fence, keepalive = self._cuda_copier.enqueue(batch, self._stream)
+                except Exception as err:  # a device error while enqueueing: unordered data from here on
+                    self._failure = err
+                    raise ActorCrashed(_ACTOR, err) from err
+                job = _Job(CopyTicket(seq_no=seq_no, nbytes=nbytes, fence=fence, **counts), None, keepalive)
             else:
-                ticket = CopyTicket(seq_no=seq_no, num_blocks=src.numel(), nbytes=nbytes, fence=None)
-                job = _Job(ticket, src, dst)
+                job = _Job(CopyTicket(seq_no=seq_no, nbytes=nbytes, fence=None, **counts), batch)
             self._next_seq_no += 1
             self._queue.put(job)
         return job.ticket
@@ -187,21 +273,14 @@ class CopyExecutor:
         if self._failure is not None:
             raise ActorCrashed(_ACTOR, self._failure) from self._failure
 
-    def _enqueue_cuda(self, seq_no: int, src: torch.Tensor, dst: torch.Tensor, nbytes: int) -> _Job:
-        storage, stream = self.storage, self._stream
-        assert storage is not None and stream is not None, "CUDA path without storage or stream"
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(storage.device))  # writes issued before submit
-        fence = torch.cuda.Event(blocking=True)  # the worker thread sleeps in synchronize(), no spinning
-        src_host, dst_host = src.pin_memory(), dst.pin_memory()
-        with torch.cuda.stream(stream):
-            stream.wait_event(ready)
-            src_dev = src_host.to(storage.device, non_blocking=True)
-            dst_dev = dst_host.to(storage.device, non_blocking=True)
-            storage._copy_unchecked(src_dev, dst_dev)
-            fence.record(stream)
-        ticket = CopyTicket(seq_no=seq_no, num_blocks=src.numel(), nbytes=nbytes, fence=fence)
-        return _Job(ticket, None, None, keepalive=(src_host, dst_host, src_dev, dst_dev))
+    @property
+    def zero_copy(self) -> bool:
+        """On CUDA, whether the host pool is aliased on the device (fragmented phases run as kernels).
+
+        ``False`` on CPU, in metadata mode and without a host tier; see
+        :mod:`akv.storage.tier_cuda`.
+        """
+        return self._cuda_copier is not None and self._cuda_copier.zero_copy
 
     def close(self, drain: bool = True, timeout_s: float | None = None) -> None:
         """Stop accepting batches, finish (or fail) the queued ones, stop the worker.
@@ -264,8 +343,8 @@ class CopyExecutor:
             job.ticket.fence.synchronize()
         elif self._abort:
             raise ManagerClosed(f"copy executor closed before batch {job.ticket.seq_no} ran")
-        elif job.src is not None and job.dst is not None and self.storage is not None:
-            self.storage._copy_unchecked(job.src, job.dst)
+        elif job.batch is not None and self._cpu_copier is not None:
+            self._cpu_copier.run(job.batch)
 
     def __repr__(self) -> str:
         mode = "metadata" if self.storage is None else str(self.storage.device)
