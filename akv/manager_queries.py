@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any
 
-from akv.actors.messages import Check, Evict, Inspect, InspectBlock, Lookup, Stats
+from akv.actors.messages import Check, Evict, Inspect, InspectBlock, Lookup, PendingCopies, Stats
 from akv.actors.shard_snapshot import ShardSnapshot
 from akv.actors.shard_views import SequenceInfo
 from akv.core.ids import NUMPY_INTEGER_TYPES, describe, plain_id
@@ -159,8 +159,10 @@ class ManagerQueries:
         """Wait until every copy submitted so far has run, and settle the shards.
 
         A shard releases a finished copy's pins when it serves its next
-        message; this call sends one (:class:`Stats`) to each shard that
-        published pins not yet released, so right after it returns
+        message; this call asks each shard that published pins not yet
+        released for its pending copies (those of background evictions and
+        demotions too), waits for them and sends it one more message
+        (:class:`Stats`), so right after it returns
         :meth:`stats`, the metrics scrape and the gauges show no block in
         flight for those copies.
 
@@ -172,7 +174,9 @@ class ManagerQueries:
             await ticket.wait_async()
         self._tickets = [t for t in self._tickets if not t.done()]
         for shard in self._shards:
-            if shard.snapshot.pinned_copies:
+            if shard.snapshot.pinned_copies:  # the eviction loop's and evict()'s copies too
+                for ticket in await self._ask(shard, PendingCopies()):
+                    await ticket.wait_async()
                 await self._ask(shard, Stats())
 
     async def stats(self) -> CacheStats:

@@ -169,5 +169,10 @@ class Stats:
 
 
 @dataclass(frozen=True, slots=True)
+class PendingCopies:
+    """Reply the copy tickets of the shard's batches not settled yet (steps', evictions', swaps'), oldest first."""
+
+
+@dataclass(frozen=True, slots=True)
 class Check:
     """Run the full consistency check of the shard and its prefix tree; reply None or raise."""

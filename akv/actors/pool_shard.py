@@ -39,7 +39,20 @@ from typing import Any
 
 import anyio
 
-from akv.actors.messages import Check, Evict, Inspect, InspectBlock, Lookup, Retire, Room, Stats, Step, SwapIn, SwapOut
+from akv.actors.messages import (
+    Check,
+    Evict,
+    Inspect,
+    InspectBlock,
+    Lookup,
+    PendingCopies,
+    Retire,
+    Room,
+    Stats,
+    Step,
+    SwapIn,
+    SwapOut,
+)
 from akv.actors.runtime import Actor
 from akv.actors.shard_copies import ShardCopies
 from akv.actors.shard_snapshot import ShardSnapshot, take_snapshot
@@ -189,6 +202,8 @@ class PoolShardActor(ShardCopies, Actor):
             result = inspect_block(self.state, msg.block_id)
         elif isinstance(msg, Check):
             self.state.check()
+        elif isinstance(msg, PendingCopies):
+            result = [ticket for ticket, _, _ in self._pinned]
         elif isinstance(msg, SnapshotCall):
             result = msg.apply(self.state)
         elif not isinstance(msg, Stats):

@@ -67,14 +67,19 @@ class ShardChecks:
             checked.commit_rows, checked.commit_counts = found
         created: set = set()
 
+        swapped = self.swapped  # swapped-out ids are not live, but stay taken (akv.core.swap)
+
         def live(seq_id: Hashable) -> bool:
             return seq_id in seqs and seq_id not in freed
+
+        def taken(seq_id: Hashable) -> bool:
+            return live(seq_id) or (seq_id in swapped and seq_id not in req.frees)
 
         for parent_id, child_ids in req.forks:
             if not live(parent_id) and parent_id not in created:
                 raise UnknownSequence(parent_id)
             for child_id in child_ids:
-                if live(child_id) or child_id in created:
+                if taken(child_id) or child_id in created:
                     raise DuplicateSequence(child_id)
                 created.add(child_id)
         for parent_id, _ in req.forks:
@@ -92,7 +97,7 @@ class ShardChecks:
                     if type(tokens) is not int and len(tokens) == 0:
                         raise InvalidInput(f"append of no tokens to sequence {seq_id!r}")
         for adm in req.admits:
-            if live(adm.seq_id) or adm.seq_id in created:
+            if taken(adm.seq_id) or adm.seq_id in created:
                 raise DuplicateSequence(adm.seq_id)
             created.add(adm.seq_id)
             if len(adm.prompt) == 0:

@@ -1,0 +1,187 @@
+"""The host tier through the manager with real CPU tensors: what a sequence reads back after demotion, promotion and swaps.
+
+A runner writes each position's K/V as a function of the token history
+(:func:`akv.testing.prefix_model.history_values`), waits for every step's
+copies before writing (as it must), and reads sequences back through their
+block tables. Bad input and refusals change nothing.
+"""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+from akv import Admit, KVCacheManager
+from akv.errors import DuplicateSequence, InvalidInput, PoolExhausted, UnknownSequence
+from akv.testing.prefix_model import history_values
+
+BS = 4
+
+
+def expected(kv: KVCacheManager, tokens: list[int]) -> torch.Tensor:
+    m = kv.config.model
+    return history_values(None, tokens, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim)
+
+
+async def admit(kv: KVCacheManager, seq_id, tokens: list[int]) -> int:
+    """Admit, wait for the step's copies, write the uncached tokens' K/V, commit; return the cached tokens."""
+    result = await kv.step(admits=[Admit(seq_id=seq_id, prompt=tokens)])
+    if seq_id in result.rejected:
+        raise result.rejected[seq_id]
+    await result.copies.wait()
+    cached = result.cached_tokens[seq_id]
+    values = expected(kv, tokens)[:, :, cached:]
+    kv.storage.write_all_layers(result.slot_mapping.to(torch.int64), values[:, 0], values[:, 1])
+    await kv.commit(seq_id, len(tokens) - cached)
+    return cached
+
+
+async def read(kv: KVCacheManager, seq_id) -> torch.Tensor:
+    info = await kv.sequence(seq_id)
+    table = torch.tensor(info.block_ids, dtype=torch.int64)
+    layers = [kv.storage.gather(layer, table, info.num_tokens) for layer in range(kv.config.model.num_layers)]
+    return torch.stack([torch.stack(kv_pair) for kv_pair in layers])
+
+
+def prompt(i: int, blocks: int = 4) -> list[int]:
+    return [100 * i + t for t in range(blocks * BS + 1)]
+
+
+@pytest.mark.anyio
+async def test_demoted_blocks_come_back_byte_exact_when_a_prompt_hits_them(tiny_config) -> None:
+    async with KVCacheManager(tiny_config(num_blocks=16, host_blocks=32)) as kv:
+        for i in range(8):  # 5 blocks each (4 cached): the device (16) keeps the last 15, the host the others
+            await admit(kv, i, prompt(i))
+            await kv.free(i)
+        stats = await kv.stats()
+        assert stats.demoted_blocks == stats.host_cached == 32 - 15
+        cached = await admit(kv, "again", prompt(0))
+        assert cached == 4 * BS
+        assert torch.equal(await read(kv, "again"), expected(kv, prompt(0)))
+        stats = await kv.stats()
+        assert stats.promoted_blocks == 4 and stats.host_hit_tokens == 4 * BS
+        await kv.check()
+
+
+@pytest.mark.anyio
+async def test_background_eviction_demotes_and_nothing_is_lost_while_the_copies_run(tiny_config) -> None:
+    async with KVCacheManager(tiny_config(num_blocks=16, host_blocks=16)) as kv:
+        for i in range(3):
+            await admit(kv, i, prompt(i))
+            await kv.free(i)
+        assert await kv.evict(8) == 8  # held: in flight until their copies ran
+        await kv.wait_copies()
+        stats = await kv.stats()
+        assert (stats.demoted_blocks, stats.host_cached, stats.in_flight) == (8, 8, 0)
+        assert stats.free + stats.active + stats.cached == stats.num_blocks
+        for i in range(3):
+            assert await admit(kv, f"r{i}", prompt(i)) == 4 * BS
+            assert torch.equal(await read(kv, f"r{i}"), expected(kv, prompt(i)))
+        await kv.check()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("num_shards", [1, 2])
+async def test_a_swapped_sequence_reads_exactly_what_it_had(tiny_config, num_shards: int) -> None:
+    async with KVCacheManager(tiny_config(num_blocks=16, host_blocks=16, num_shards=num_shards)) as kv:
+        history = prompt(1, blocks=2)
+        await admit(kv, "a", history)
+        result = await kv.step(appends={"a": 7})
+        await result.copies.wait()
+        history.append(7)
+        values = expected(kv, history)[:, :, -1:]
+        kv.storage.write_all_layers(result.slot_mapping.to(torch.int64), values[:, 0], values[:, 1])
+        await kv.commit("a", 1)
+        before = await read(kv, "a")
+        assert await kv.swap_out("a") == 3
+        with pytest.raises(UnknownSequence):
+            await kv.append("a", [1])
+        for i in range(2, 6):  # other work reuses the device blocks "a" had
+            await admit(kv, i, prompt(i, blocks=1))
+            await kv.free(i)
+        assert await kv.swap_in("a") == 3
+        assert torch.equal(await read(kv, "a"), before)
+        assert (await kv.sequence("a")).token_ids == tuple(history)
+        stats = await kv.stats()
+        assert (stats.swapped_out, stats.swapped_in, stats.num_swapped, stats.host_swapped) == (1, 1, 0, 0)
+        await kv.check()
+
+
+@pytest.mark.anyio
+async def test_swap_refusals_and_bad_input_change_nothing(tiny_config) -> None:
+    async with KVCacheManager(tiny_config(num_blocks=8, host_blocks=8)) as kv:
+        with pytest.raises(InvalidInput):
+            await kv.swap_out(1.5)
+        with pytest.raises(UnknownSequence):
+            await kv.swap_in("nobody")
+        await admit(kv, "a", prompt(1, blocks=3))
+        await kv.swap_out("a")
+        await admit(kv, "b", prompt(2, blocks=5))  # 6 blocks: no room left for "a"'s 4
+        before = await kv.stats()
+        with pytest.raises(PoolExhausted):
+            await kv.swap_in("a")
+        after = await kv.stats()
+        assert (after.num_swapped, after.host_swapped, after.num_sequences) == (1, 4, 1)
+        assert after.free == before.free
+        with pytest.raises(DuplicateSequence):
+            await kv.step(admits=[Admit(seq_id="a", prompt=[1, 2, 3])])  # its id stays taken while swapped out
+        await kv.free("b")
+        assert await kv.swap_in("a") == 4
+        with pytest.raises(DuplicateSequence):
+            await kv.swap_in("a")
+        assert await kv.free("a")
+        await kv.check()
+
+
+@pytest.mark.anyio
+async def test_freeing_a_swapped_sequence_releases_its_host_blocks(tiny_config) -> None:
+    async with KVCacheManager(tiny_config(num_blocks=8, host_blocks=8)) as kv:
+        await admit(kv, "a", prompt(1, blocks=2))
+        await kv.swap_out("a")
+        assert (await kv.stats()).host_swapped == 3
+        assert await kv.free("a")
+        stats = await kv.stats()
+        assert (stats.host_swapped, stats.num_swapped, stats.host_free) == (0, 0, 8)
+        assert not await kv.free("a")
+        await kv.check()
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_swap_out_completes(tiny_config) -> None:
+    async with KVCacheManager(tiny_config(num_blocks=8, host_blocks=8)) as kv:
+        await admit(kv, "a", prompt(1, blocks=2))
+        before = await read(kv, "a")
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await kv.swap_out("a")  # shielded: runs to completion inside the cancelled scope
+        assert (await kv.stats()).num_swapped == 1
+        await kv.swap_in("a")
+        assert torch.equal(await read(kv, "a"), before)
+        await kv.check()
+
+
+@pytest.mark.anyio
+async def test_swapping_without_a_host_tier_is_invalid_input(tiny_config) -> None:
+    async with KVCacheManager(tiny_config(num_blocks=8)) as kv:
+        await admit(kv, "a", prompt(1, blocks=1))
+        with pytest.raises(InvalidInput, match="no host tier"):
+            await kv.swap_out("a")
+        assert (await kv.sequence("a")).num_tokens == BS + 1
+        await kv.check()
+
+
+@pytest.mark.anyio
+async def test_a_swapped_sequence_cannot_be_forked_or_reused_as_a_child_id(tiny_config) -> None:
+    async with KVCacheManager(tiny_config(num_blocks=8, host_blocks=8)) as kv:
+        await admit(kv, "a", prompt(1, blocks=1))
+        await admit(kv, "b", prompt(2, blocks=1))
+        await kv.swap_out("a")
+        with pytest.raises(UnknownSequence):
+            await kv.fork("a", ["a1"])
+        with pytest.raises(DuplicateSequence):
+            await kv.fork("b", ["a"])
+        await kv.check()
+        await kv.swap_in("a")
+        await kv.fork("a", ["a1"])
+        await kv.check()
