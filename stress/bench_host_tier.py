@@ -13,8 +13,10 @@ process, with ``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)`` (said in
 the output). ``sweep`` compares each host size with the device-only pool of
 the same total (the issue's reference is 250,000 device blocks). ``cost``
 runs tier off, tier on, tier off, tier on, ... and reports each run's step
-latency mean / p50 / p99 (µs, over every scheduler step) and wall time, and
-the median of the per-pair ratios.
+latency mean / p50 / p99 (µs, over every scheduler step), wall time and the
+main thread's CPU time (``time.thread_time``: the event loop's work, the
+manager's included, and the number least moved by other jobs on the
+machine), and the median of the per-pair ratios.
 """
 
 from __future__ import annotations
@@ -60,8 +62,9 @@ def run_one(requests: list, num_blocks: int, host_blocks: int, storage: str) -> 
         async with KVCacheManager(config) as kv:
             return await replay(kv, requests, ReplayOptions())
 
+    cpu0 = time.thread_time()
     report = anyio.run(go).as_json()
-    report.update(device_blocks=num_blocks, host_blocks=host_blocks, storage=storage)
+    report.update(device_blocks=num_blocks, host_blocks=host_blocks, storage=storage, cpu_s=time.thread_time() - cpu0)
     return report
 
 
@@ -137,14 +140,24 @@ def cost(requests: list, args: argparse.Namespace) -> dict:
         for host in (0, args.host_blocks):
             r = run_one(requests, args.device_blocks, host, args.storage)
             lat = r["step_latency_us"]
-            runs.append({"pair": pair, "host_blocks": host, "wall_s": r["wall_s"], **lat, "hit_rate": r["hit_rate"]})
+            runs.append(
+                {
+                    "pair": pair,
+                    "host_blocks": host,
+                    "wall_s": r["wall_s"],
+                    "cpu_s": r["cpu_s"],
+                    **lat,
+                    "hit_rate": r["hit_rate"],
+                }
+            )
             print(
                 f"pair {pair} host {host:>7,}: step mean {lat['mean']:.1f} p50 {lat['p50']:.1f} p99 {lat['p99']:.1f} us, "
-                f"wall {r['wall_s']:.2f} s, hit rate {r['hit_rate']:.4%}, load {os.getloadavg()[0]:.2f}",
+                f"wall {r['wall_s']:.2f} s, main-thread CPU {r['cpu_s']:.2f} s, hit rate {r['hit_rate']:.4%}, "
+                f"load {os.getloadavg()[0]:.2f}",
                 flush=True,
             )
     ratios = {}
-    for key in ("mean", "p50", "p99", "wall_s"):
+    for key in ("mean", "p50", "p99", "wall_s", "cpu_s"):
         per_pair = [runs[2 * p + 1][key] / runs[2 * p][key] for p in range(args.pairs) if runs[2 * p][key]]
         ratios[key] = statistics.median(per_pair)
     print("tier on / off, median of pairs: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))

@@ -323,6 +323,7 @@ async def test_host_tier_counters_and_gauges_agree_with_stats(tiny_config) -> No
         for i in range(6):  # 3 full blocks each, all different: the device fills, the host takes the rest
             await kv.step(admits=[Admit(seq_id=i, prompt=list(range(100 * i, 100 * i + 13)), prefill_done=True)])
             await kv.free(i)
+        await kv.wait_copies()  # a demoted block is matched once its copy has run
         await kv.step(admits=[Admit(seq_id="again", prompt=list(range(13)), prefill_done=True)])  # hits the host
         await kv.swap_out("again")
         await kv.swap_in("again")

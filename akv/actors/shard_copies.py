@@ -51,19 +51,23 @@ class ShardCopies:
         src = [s for s, _ in outcome.copies]
         dst = [d for _, d in outcome.copies]
         hb = state.host_base
-        to_host = [(d, h - hb) for d, h in outcome.demotes + outcome.swap_outs] if hb is not None else []
-        to_device = [(h - hb, d) for h, d in outcome.promotes + outcome.swap_ins] if hb is not None else []
-        num_blocks = len(src) + len(to_host) + len(to_device)
+        tiered = hb is not None and (outcome.demoted or outcome.promoted or outcome.swap_outs or outcome.swap_ins)
+        to_host = to_device = 0
         with self.tracer.span("akv.copy_blocks") as span:
             try:
-                if to_host or to_device:
+                if tiered:
+                    d2h_src = outcome.demoted + [d for d, _ in outcome.swap_outs]
+                    d2h_dst = [h - hb for h in outcome.demoted_to] + [h - hb for _, h in outcome.swap_outs]
+                    h2d_src = [h - hb for h in outcome.promoted] + [h - hb for h, _ in outcome.swap_ins]
+                    h2d_dst = outcome.promoted_to + [d for _, d in outcome.swap_ins]
+                    to_host, to_device = len(d2h_src), len(h2d_src)
                     ticket = self.copy_executor.submit_tiers(
-                        d2h_src_ids=[d for d, _ in to_host],
-                        d2h_dst_slots=[h for _, h in to_host],
+                        d2h_src_ids=d2h_src,
+                        d2h_dst_slots=d2h_dst,
                         d2d_src_ids=src,
                         d2d_dst_ids=dst,
-                        h2d_src_slots=[h for h, _ in to_device],
-                        h2d_dst_ids=[d for _, d in to_device],
+                        h2d_src_slots=h2d_src,
+                        h2d_dst_ids=h2d_dst,
                     )
                 else:
                     ticket = self.copy_executor.submit(src, dst)
@@ -73,7 +77,8 @@ class ShardCopies:
                 raise RuntimeError(f"stream worker refused copies: {exc}") from exc
             nbytes = getattr(ticket, "nbytes", 0)
             if span.is_recording():
-                span.set_attributes({"akv.shard": state.shard_index, "akv.blocks": num_blocks, "akv.bytes": nbytes})
+                blocks = len(src) + to_host + to_device
+                span.set_attributes({"akv.shard": state.shard_index, "akv.blocks": blocks, "akv.bytes": nbytes})
         self._pinned.append((ticket, src + dst, outcome.transfer))
         ticket.add_done_callback(self._copy_done)
         if self.copy_bytes is not None:
@@ -86,8 +91,8 @@ class ShardCopies:
                 src_block_ids=src[:16],
                 dst_block_ids=dst[:16],
             )
-        if to_host or to_device:
-            self.log.debug("tier.copy", to_host_blocks=len(to_host), to_device_blocks=len(to_device))
+        if tiered:
+            self.log.debug("tier.copy", to_host_blocks=to_host, to_device_blocks=to_device)
         return ticket
 
     def _copy_done(self, ticket: Any) -> None:

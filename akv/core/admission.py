@@ -124,7 +124,7 @@ class ShardAdmission:
         for i, adm in enumerate(admits):
             length = len(adm.prompt)
             hits = matches.get(i, [])
-            if out.promotes and hits:  # an earlier admission of the step may have promoted some of them
+            if out.promoted and hits:  # an earlier admission of the step may have promoted some of them
                 hits = self._rematch(i, adm, protected)
             if published_here and len(hits) < (length - 1) // bs:
                 hits = self._match_more(adm, hits, pending, out)

@@ -388,6 +388,47 @@ class BlockPool(BlockRefs):
         self._published[idx] = False
         self.pin_for_copy(block_ids)
 
+    def evict_reuse(self, block_ids: list[int]) -> None:
+        """Blocks taken by :meth:`evict_begin` left the prefix cache and are taken again at once, as :meth:`allocate` takes them.
+
+        Each is referenced once (refcount 1), unpublished, its hit count
+        reset, without passing through the free queue: one pass where
+        :meth:`evict_finish` and :meth:`allocate` take two. The caller checked
+        they are in flight (taken by ``evict_begin`` and removed).
+        """
+        if not block_ids:
+            return
+        idx = np.array(block_ids, dtype=np.intp) - self.first_block_id
+        self._published[idx] = False
+        self._state[idx] = ACTIVE
+        self._refcount[idx] = 1
+        if self._keyed is not None:
+            self._keyed.reset(idx)
+        k = len(block_ids)
+        self._counts[IN_FLIGHT] -= k
+        self._counts[ACTIVE] += k
+        self.total_refs += k
+
+    def cache_allocated(self, block_ids: list[int], num_hits: np.ndarray | None = None) -> None:
+        """Allocated blocks (refcount 1, held by no table) enter the prefix cache at once, in order.
+
+        :meth:`mark_published`, the hit counts and :meth:`decref` in one pass
+        (a demotion's new host blocks).
+
+        Args:
+            block_ids: Distinct blocks from :meth:`allocate` or :meth:`evict_reuse`.
+            num_hits: int ``(len(block_ids),)`` hit counts to give them, or None.
+        """
+        if not block_ids:
+            return
+        off = np.array(block_ids, dtype=np.intp) - self.first_block_id
+        self._published[off] = True
+        if num_hits is not None and self._keyed is not None:
+            self._keyed.hits[off] = num_hits
+        self._refcount[off] = 0
+        self.total_refs -= len(block_ids)
+        self._release_many(off.tolist())
+
     @property
     def counts_hits(self) -> bool:
         """Whether the policy counts prefix hits per block (every policy but plain LRU)."""

@@ -44,16 +44,17 @@ class TierMoves:
 
         Returns:
             ``(starts, nids, positions)``: segment start indices (with ``len(old)``
-            appended), and every id's node and position as lists.
+            appended), and each segment's node and first position.
         """
         nids = self._node_of[old]
         pos = self._pos_of[old]
         n = len(old)
         brk = np.ones(n, dtype=bool)
         brk[1:] = (nids[1:] != nids[:-1]) | (pos[1:] != pos[:-1] + step)
-        starts = np.flatnonzero(brk).tolist()
+        at = np.flatnonzero(brk)
+        starts = at.tolist()
         starts.append(n)
-        return starts, nids.tolist(), pos.tolist()
+        return starts, nids[at].tolist(), pos[at].tolist()
 
     def _check_fresh(self, new: np.ndarray) -> None:
         """Raise ``ValueError`` unless the ``new`` ids are non-negative, distinct and not in the tree (grows the arrays)."""
@@ -100,8 +101,8 @@ class TierMoves:
             raise ValueError(f"a block of {old.tolist()[:8]} is listed twice")
         self._check_fresh(new)
         starts, nids, pos = self._segments(old, 1)
-        for s, e in pairwise(starts):
-            self._move(self._nodes[nids[s]], pos[s], old[s:e], new[s:e])
+        for k, (s, e) in enumerate(pairwise(starts)):
+            self._move(self._nodes[nids[k]], pos[k], old[s:e], new[s:e])
 
     def demote_leaves(
         self, block_ids: Sequence[int], new_ids: Sequence[int], *, check: bool = True
@@ -153,14 +154,14 @@ class TierMoves:
         starts, nids, pos = self._segments(inside, -1)
         lst = inside.tolist()
         taken = 0
-        for s, e in pairwise(starts):
-            node = self._nodes[nids[s]]
-            if taken >= len(new) or not self._below_is_host(node, pos[s]):
+        for j, (s, e) in enumerate(pairwise(starts)):
+            node = self._nodes[nids[j]]
+            if taken >= len(new) or not self._below_is_host(node, pos[j]):
                 refused += lst[s:e]
                 continue
             k = min(e - s, len(new) - taken)
             seg_new = new[taken : taken + k][::-1]  # positions ascending: the deepest block takes the first id
-            self._move(node, pos[s] - k + 1, inside[s : s + k][::-1], seg_new)
+            self._move(node, pos[j] - k + 1, inside[s : s + k][::-1], seg_new)
             moved += lst[s : s + k]
             refused += lst[s + k : e]
             taken += k

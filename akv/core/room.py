@@ -157,7 +157,7 @@ class ShardRoom:
         Args:
             num_blocks: Blocks to evict at most.
             protected: Block ids to skip (a container: ``in`` and iteration).
-            out: The step's outcome: its ``evicted_blocks``, ``demotes`` and
+            out: The step's outcome: its ``evicted_blocks``, ``demoted`` and
                 ``removed_block_ids`` (the blocks removed from the prefix
                 tree, in removal order) record the eviction.
             held: Demoted device blocks stay in flight until their copy has
@@ -166,24 +166,8 @@ class ShardRoom:
         Returns:
             The number of blocks evicted (free now, or in flight to the host when ``held``).
         """
-        evicted = self._evict_loop(self.pool, num_blocks, protected, out, held)
-        if evicted:
-            self.counters.blocks_evicted += evicted
-            self.counters.eviction_batches += 1
-            if out is not None:
-                out.evicted_blocks += evicted
-        return evicted
-
-    def _drop_leaves(self, pool, num_blocks: int, protected, out: StepOutcome | None) -> int:
-        """Drop up to ``num_blocks`` cached leaves of the host tier ``pool`` from the tree, in its policy order."""
-        dropped = self._evict_loop(pool, num_blocks, protected, out, False)
-        self.counters.host_evicted += dropped
-        return dropped
-
-    def _evict_loop(self, pool, num_blocks: int, protected, out: StepOutcome | None, held: bool) -> int:
-        """Take cached leaves of ``pool`` in policy order: demote (the device pool with a host tier) or drop them."""
-        tree = self.tree
-        demote = pool is self.pool and self.host is not None
+        pool, tree = self.pool, self.tree
+        demote = self.host is not None
         evicted = 0
         untried = pool.num_cached
         while evicted < num_blocks and untried > 0:
@@ -197,14 +181,18 @@ class ShardRoom:
             removed, refused = tree.remove_leaves(victims) if victims else ([], [])
             pool.evict_finish(removed)
             evicted += moved + len(removed)
-            if removed:
-                if out is not None:
-                    out.removed_block_ids.extend(removed)
-                if self.unready:
-                    self.unready.difference_update(removed)
+            if out is not None:
+                out.removed_block_ids.extend(removed)
+            if removed and self.unready:  # a promoted block whose copy is pending can be released and evicted
+                self.unready.difference_update(removed)
             if refused:
                 pool.evict_abort(refused, to_mru=True)
                 self.counters.eviction_refusals += len(refused)
             if removed or moved:  # a removal can turn a refused parent into a leaf: try everything again
                 untried = pool.num_cached
+        if evicted:
+            self.counters.blocks_evicted += evicted
+            self.counters.eviction_batches += 1
+            if out is not None:
+                out.evicted_blocks += evicted
         return evicted

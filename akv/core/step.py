@@ -154,11 +154,12 @@ class StepOutcome:
             dropped them). A block removed and then reused
             and published in the same step is in both lists; no block stored
             is removed in the same step (it is referenced).
-        demotes: ``(device block, host id)`` of each block demoted to the
-            host tier (:mod:`akv.core.tiers`), in order: the copies to run
-            first in the step's copy batch.
-        promotes: ``(host id, device block)`` of each block promoted from
-            the host tier: the copies to run last in the batch.
+        demoted, demoted_to: Each block demoted to the host tier
+            (:mod:`akv.core.tiers`) and its host id, in order (two parallel
+            lists; :attr:`demotes` pairs them): the copies to run first in
+            the step's copy batch.
+        promoted, promoted_to: Each host block promoted back and its new
+            device block (:attr:`promotes`): the copies to run last.
         swap_outs: ``(device block, host id)`` copies of a swap-out
             (:mod:`akv.core.swap`); they run with the demotions.
         swap_ins: ``(host id, device block)`` copies of a swap-in; they run
@@ -180,11 +181,23 @@ class StepOutcome:
     evicted_blocks: int = 0
     stored_block_ids: list = field(default_factory=list)
     removed_block_ids: list = field(default_factory=list)
-    demotes: list = field(default_factory=list)
-    promotes: list = field(default_factory=list)
+    demoted: list = field(default_factory=list)
+    demoted_to: list = field(default_factory=list)
+    promoted: list = field(default_factory=list)
+    promoted_to: list = field(default_factory=list)
     swap_outs: list = field(default_factory=list)
     swap_ins: list = field(default_factory=list)
     transfer: int | None = None
+
+    @property
+    def demotes(self) -> list[tuple[int, int]]:
+        """``(device block, host id)`` of each demotion, in order."""
+        return list(zip(self.demoted, self.demoted_to))
+
+    @property
+    def promotes(self) -> list[tuple[int, int]]:
+        """``(host id, device block)`` of each promotion, in order."""
+        return list(zip(self.promoted, self.promoted_to))
 
 
 def empty_metadata() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -126,13 +126,34 @@ class ShardTiers:
 
     # ------------------------------------------------------------ demotion
     def _host_room(self, num_blocks: int, protected, out: StepOutcome | None) -> list[int]:
-        """Up to ``num_blocks`` host ids for demotion (referenced, unpublished), dropping host leaves for room."""
-        host = self.host
-        short = num_blocks - host.num_free
-        if short > 0 and host.num_cached:
-            self._drop_leaves(host, short, protected, out)
+        """Up to ``num_blocks`` host ids for demotion (referenced, unpublished): free ones, then cached leaves dropped.
+
+        A host block dropped for room is taken again at once
+        (:meth:`~akv.core.block_pool.BlockPool.evict_reuse`), never free in
+        between; the host policy's order decides which, leaves only.
+        """
+        host, tree = self.host, self.tree
         n = min(num_blocks, host.num_free)
-        return host.allocate(n) if n > 0 else []
+        slots = host.allocate(n) if n > 0 else []
+        untried = host.num_cached
+        while len(slots) < num_blocks and untried > 0:
+            victims = host.evict_begin(min(num_blocks - len(slots), untried), protected)
+            if not victims:
+                break
+            untried -= len(victims)
+            removed, refused = tree.remove_leaves(victims)
+            host.evict_reuse(removed)
+            slots += removed
+            if removed:
+                self.counters.host_evicted += len(removed)
+                if out is not None:
+                    out.removed_block_ids.extend(removed)
+                if self.unready:
+                    self.unready.difference_update(removed)
+                untried = host.num_cached
+            if refused:
+                host.evict_abort(refused, to_mru=True)
+        return slots
 
     def _demote(self, victims: list[int], protected, out: StepOutcome | None, held: bool) -> tuple[int, list[int]]:
         """Move the device leaves among ``victims`` (taken by ``evict_begin``) to the host; the rest is returned.
@@ -158,13 +179,14 @@ class ShardTiers:
             host.decref(unused, distinct=True)  # unpublished: back to free
         if not moved:
             return 0, rest
-        host.mark_published(new)
-        if pool.counts_hits:
-            host.set_num_hits(new, pool.hit_counts(moved).tolist())
+        hits = pool.hit_counts(moved) if pool.counts_hits else None
         if self.sync_copies:
             pool.evict_finish(moved)
-            host.decref(new, distinct=True)  # cached on the host now
+            host.cache_allocated(new, hits)  # cached on the host now
         else:
+            host.mark_published(new)
+            if hits is not None:
+                host.set_num_hits(new, hits.tolist())
             t = self._transfer(out)
             if held:
                 pool.evict_hold(moved)
@@ -178,7 +200,8 @@ class ShardTiers:
             t.unready += new
             self.unready.update(new)
         if out is not None:
-            out.demotes += zip(moved, new)
+            out.demoted += moved
+            out.demoted_to += new
         self.counters.demoted_blocks += len(moved)
         return len(moved), rest
 
@@ -233,5 +256,6 @@ class ShardTiers:
             t.unready += device_ids
             self.unready.update(device_ids)
         host.decref(host_hits, distinct=True)
-        out.promotes += zip(host_hits, device_ids)
+        out.promoted += host_hits
+        out.promoted_to += device_ids
         self.counters.promoted_blocks += len(host_hits)
