@@ -140,3 +140,23 @@ def test_step_outcome_lists_the_blocks_stored_and_removed() -> None:
     assert out.stored_block_ids == table[:4]
     assert sorted(shard.tree.block_ids()) == sorted([0, *table[:4]])
     shard.check()
+
+
+def test_admission_may_evict_the_cached_block_of_a_prefix_it_publishes_again() -> None:
+    # A 12-token prompt hits only 2 blocks (its last token is computed), so its third full
+    # block is recomputed. With no free block, its step evicts the cached block of that very
+    # prefix (the only one not hit) and publishes its own: the prefix leaves the tree and comes
+    # back, here in the same block id reallocated. Intended: the cache keeps the prefix and the
+    # sequence keeps publishing (had the old block stayed, its publishing would stop there).
+    shard = Shard(4)
+    prompt = tokens(*range(1, 13))
+    shard.step(admits=[Admit(seq_id="a", prompt=tokens(*range(1, 13), 99), prefill_done=True)])
+    shard.step(frees=["a"])  # blocks 0, 1, 2 cached, block 3 free
+    shard.step(admits=[Admit(seq_id="x", prompt=tokens(50, 51))])  # takes block 3
+    out = shard.step(admits=[Admit(seq_id="b", prompt=prompt, prefill_done=True)])
+    assert out.cached_tokens == {"b": 8}
+    assert (out.evicted_blocks, out.removed_block_ids, out.stored_block_ids) == (1, [2], [2])
+    assert shard.state.sequences["b"].block_ids.tolist() == [0, 1, 2]
+    assert shard.tree.match(shard.state.namespace_key(None), prompt) == [0, 1, 2]
+    assert shard.state.sequences["b"].num_published == 3
+    shard.check()
