@@ -181,14 +181,26 @@ class ShardMachineBase(RuleBasedStateMachine):
         tokens = np.asarray(prompt, dtype=np.int32)[: num_blocks * self.block_size]
         return self.tree.match(self.shard.namespace_key(namespace), tokens)
 
-    def _resync_after_eviction(self, evicted: int) -> None:
-        """Keep the published prefixes the tree still holds; exactly ``evicted`` must be gone."""
+    def _resync_after_eviction(self, evicted: int, out: StepOutcome | None = None) -> None:
+        """Forget the published prefixes an eviction removed from the tree; exactly ``evicted`` must be gone.
+
+        Call it before publishing what the step published in the model. A
+        ``prefill_done`` admission recomputes its last full block (never a
+        hit), and its step may evict the cached block of that very prefix
+        and then publish its own: the prefix is back in the tree, in another
+        block or in the same block id reallocated. ``out``, the step's
+        outcome, tells them apart: a prefix the tree now maps to a block that
+        the step removed or stored was evicted (without ``out``, as after
+        :meth:`ShardState.evict <akv.core.shard_state.ShardState.evict>`,
+        nothing was stored and a prefix still in the tree stayed).
+        """
         bs = self.block_size
-        kept = {
-            (ns, prefix): block
-            for (ns, prefix), block in self.published.items()
-            if len(self._real_hits(ns, list(prefix), len(prefix) // bs)) == len(prefix) // bs
-        }
+        renewed = {*out.removed_block_ids, *out.stored_block_ids} if out is not None else set()
+        kept = {}
+        for (ns, prefix), block in self.published.items():
+            ids = self._real_hits(ns, list(prefix), len(prefix) // bs)
+            if len(ids) == len(prefix) // bs and ids[-1] not in renewed:
+                kept[(ns, prefix)] = block
         gone = len(self.published) - len(kept)
         if gone:
             event("eviction")

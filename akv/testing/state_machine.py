@@ -13,7 +13,9 @@ partial tail), and the published prefixes as a dict from ``(namespace, token
 tuple of whole blocks)`` to a model block id. It predicts the prefix hit of
 every admission exactly. It does not predict which blocks eviction picks (that
 is policy): after an eviction it keeps the published prefixes that the tree
-still holds and checks that exactly as many disappeared as were evicted.
+still holds in a block the step neither removed nor stored, and checks that
+exactly as many disappeared as were evicted (a ``prefill_done`` admission may
+evict a prefix's cached block and publish its own for it in the same step).
 
 Copies are released right after each step (as the shard actor does when the
 stream worker has finished them), so every invariant runs at a quiescent
@@ -132,10 +134,10 @@ class ShardStateMachine(ShardMachineBase):
         if prefill_done:
             seq.num_computed = len(prompt)
         self.model[sid] = seq
+        if out.evicted_blocks:  # first: the step evicted before it published
+            self._resync_after_eviction(out.evicted_blocks, out)
         self._publish(seq)
         self._check_metadata(out, sid, cached, len(prompt))
-        if out.evicted_blocks:
-            self._resync_after_eviction(out.evicted_blocks)
 
     @precondition(lambda self: self.model)
     @rule(data=st.data(), tokens=st.lists(st.sampled_from([0, 0, 1, 2]), min_size=1, max_size=3), as_int=st.booleans())
@@ -171,7 +173,7 @@ class ShardStateMachine(ShardMachineBase):
         seq.tokens.extend(tokens)
         self._check_metadata(out, sid, n, n + k)
         if out.evicted_blocks:
-            self._resync_after_eviction(out.evicted_blocks)
+            self._resync_after_eviction(out.evicted_blocks, out)
 
     @precondition(lambda self: len(self.model) >= 2)
     @rule(data=st.data())
