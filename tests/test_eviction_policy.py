@@ -26,6 +26,7 @@ from akv.core.eviction_policy import (
 )
 from akv.core.shard_state import ShardState
 from akv.core.step import Admit, StepRequest
+from akv.errors import PoolExhausted
 from akv.testing import PendingCopiesMachine, ShardStateMachine
 
 BASE = 10
@@ -568,3 +569,35 @@ def test_slru_segments_are_ordered_lists_checked_by_check() -> None:
     seg.hits[protected - seg.base] = 0  # a never-hit block in the protected segment
     with pytest.raises(AssertionError, match="never hit but in the protected segment"):
         pool.check()
+
+
+def test_an_admission_refused_for_want_of_evictable_blocks_evicts_nothing() -> None:
+    """Cached blocks above a published block a pending copy pins cannot be evicted yet: the refusal is decided first.
+
+    Found by the pending-copies state machine: the room check counted them,
+    evicted what it could, then refused, so a refused admission had evicted
+    a cached block.
+    """
+
+    def tokens(*x: int) -> np.ndarray:
+        return np.array(x, dtype=np.int32)
+
+    s = ShardState(0, range(8), 4)
+
+    def step(**kw):
+        return s.step(StepRequest(**kw))
+
+    step(admits=[Admit(seq_id="p", prompt=tokens(0, 1, 2, 3, 4, 5), prefill_done=True)])
+    step(forks=[("p", ["c"])])
+    assert step(appends={"c": tokens(9)}).copies == [(1, 2)]  # pinned until released: never released here
+    step(appends={"p": tokens(6, 7)})
+    step(commits={"p": 2})
+    step(frees=["p", "c"])
+    step(admits=[Admit(seq_id="z", prompt=tokens(50, 51, 52, 53, 54), prefill_done=True)])
+    step(frees=["z"])  # one cached block nothing pins
+    step(admits=[Admit(seq_id="f", prompt=tokens(*[7] * (4 * s.pool.num_free)))])
+    before = (s.pool.counts(), s.tree.block_ids(), s.pool.eviction_order())
+    out = step(admits=[Admit(seq_id="q", prompt=tokens(60, 61, 62, 63, 64))])  # needs 2: 1 evictable now
+    assert isinstance(out.rejected["q"], PoolExhausted) and out.rejected["q"].evictable_blocks == 1
+    assert (out.evicted_blocks, out.removed_block_ids) == (0, [])
+    assert (s.pool.counts(), s.tree.block_ids(), s.pool.eviction_order()) == before

@@ -22,9 +22,21 @@ class ShardRoom:
 
     __slots__ = ()
 
-    def _evictable(self, protected: dict[int, int]) -> int:
-        """Cached blocks eviction may take now (the ``protected`` prefix hits excluded)."""
-        return self.pool.num_cached - self.pool.num_cached_among(protected)
+    def _evictable(self, protected) -> int:
+        """Cached blocks eviction may take now: not the ``protected`` ones, nor those above a block a pending copy pins.
+
+        Exact, so that a refusal is decided before anything is evicted. The
+        tree is walked only while a published block is pinned by a copy
+        (O(pins + their depth)); otherwise one numpy pass over ``protected``.
+        """
+        pool = self.pool
+        pinned = pool.pinned_published()
+        if not pinned:
+            return pool.num_cached - pool.num_cached_among(protected)
+        tree = self.tree
+        blocked = {a for b in pinned for a in tree.path(b)[:-1]}
+        blocked.update(protected)
+        return pool.num_cached - pool.num_cached_among(blocked)
 
     def _make_room(
         self, need: int, total: int, protected: PendingHits, out: StepOutcome, own: int = 0

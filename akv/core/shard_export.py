@@ -146,11 +146,9 @@ class ShardExports:
             protected = hold.union(protected)
         return super()._evict(num_blocks, protected, out, held)
 
-    def _evictable(self, protected: dict[int, int]) -> int:
+    def _evictable(self, protected) -> int:
         hold = self.snapshot_hold
-        if not hold:
-            return super()._evictable(protected)
-        return self.pool.num_cached - self.pool.num_cached_among(hold.union(protected))
+        return super()._evictable(hold.union(protected) if hold else protected)
 
     def evictable_now(self) -> int:
         """As :meth:`ShardRoom.evictable_now`, less the held cached blocks (and, being ancestor-closed, all above them)."""

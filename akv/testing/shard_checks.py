@@ -17,7 +17,7 @@ from hypothesis import event, note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant
 
-from akv.core.block_pool import ACTIVE, CACHED, FREE
+from akv.core.block_pool import ACTIVE, CACHED, FREE, IN_FLIGHT
 from akv.core.radix_tree import RadixTree
 from akv.core.shard_state import ShardCounters, ShardState
 from akv.core.step import StepOutcome, StepRequest
@@ -209,8 +209,10 @@ class ShardMachineBase(RuleBasedStateMachine):
         self.published = kept
 
     def _evictable(self, protected: list[int]) -> int:
-        pool = self.shard.pool
-        return pool.num_cached - sum(1 for b in set(protected) if pool.state(b) == CACHED)
+        """Cached blocks an eviction can take now: not ``protected``, nor above a published block a pending copy pins."""
+        pool, tree = self.shard.pool, self.tree
+        blocked = {b for p in self._pinned() if p in tree and pool.state(p) == IN_FLIGHT for b in tree.path(p)[:-1]}
+        return pool.num_cached - sum(1 for b in blocked | set(protected) if pool.state(b) == CACHED)
 
     def _check_rejection(
         self, err: Exception, need: int, total: int, free: int, evictable: int, before: tuple, exhausted: int
