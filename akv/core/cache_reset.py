@@ -4,7 +4,8 @@ A reset **retires** the blocks of the prefix tree (all of them, or those of
 one namespace) while requests run:
 
 - every retired block leaves the tree at once, so no prompt matches it again;
-- a cached (unreferenced) retired block is freed at once;
+- a cached (unreferenced) retired block is freed at once, on either tier
+  (with a host tier the tree holds host blocks too, :mod:`akv.core.tiers`);
 - a referenced one stays valid for the sequences that hold it and is freed,
   not cached, when the last of them releases it (so is a block a pending copy
   still pins);
@@ -42,7 +43,8 @@ def retire_blocks(state: ShardState, namespace: Hashable = ALL_NAMESPACES) -> tu
 
     Returns:
         ``(retired block ids, blocks freed now)``: every block that left the
-        tree (children before parents), and how many of them were cached.
+        tree (children before parents; host ids too), and how many of them
+        were cached (device and host blocks).
     """
     everything = namespace is ALL_NAMESPACES
     tree = state.tree
@@ -50,7 +52,14 @@ def retire_blocks(state: ShardState, namespace: Hashable = ALL_NAMESPACES) -> tu
     removed, refused = tree.remove_leaves(order)
     if refused:
         raise AssertionError(f"shard {state.shard_index}: a subtree removal refused blocks {refused[:8]}")
-    freed = state.pool.unpublish(removed)
+    hb = state.host_base
+    if hb is None:
+        freed = state.pool.unpublish(removed)
+    else:  # the tree holds both tiers: host ids go back to the host tier
+        freed = state.pool.unpublish([b for b in removed if b < hb])
+        freed += state.host.unpublish([b for b in removed if b >= hb])
+        if state.unready:
+            state.unready.difference_update(removed)
     for seq in state.sequences.values():
         if everything or seq.namespace == namespace:
             seq.publish_stopped = True
