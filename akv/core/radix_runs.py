@@ -267,6 +267,47 @@ class RunQueries:
         parent = node.parent
         return (parent.blocks[-1], None) if parent.parent is not None else (None, parent.namespace)
 
+    def block_tokens(self, block_ids: Iterable[int]) -> bytes:
+        """The token ids of blocks in the tree, as int32 LE bytes (``4 * block_size`` per block, in order). O(blocks).
+
+        What a block moved between tiers is described by in a cache event
+        (its device block may hold other tokens by then).
+
+        Raises:
+            KeyError: A block is not in the tree.
+        """
+        w, parts = self._width, []
+        for block_id in block_ids:
+            node, pos = self._place(None, block_id, create=False)
+            if node is None:
+                raise KeyError(block_id)
+            parts.append(node.tokens[pos * w : (pos + 1) * w])
+        return b"".join(parts)
+
+    def subtree(self, block_id: int) -> list[int]:
+        """``block_id`` and every block below it, each after all of its descendants. O(subtree).
+
+        What :meth:`~akv.core.radix_tree.RadixTree.remove_leaves` takes to
+        remove the subtree whole.
+
+        Raises:
+            KeyError: ``block_id`` is not in the tree.
+        """
+        node, pos = self._place(None, block_id, create=False)
+        if node is None:
+            raise KeyError(block_id)
+        out: list[int] = []
+        stack = [(child, False) for child in node.children.values()]
+        while stack:
+            run, expanded = stack.pop()
+            if expanded:
+                out.extend(reversed(run.blocks))
+                continue
+            stack.append((run, True))
+            stack.extend((child, False) for child in run.children.values())
+        out.extend(reversed(node.blocks[pos:]))
+        return out
+
     def removal_order(self, namespaces: Iterable[Hashable] | None = None) -> list[int]:
         """The blocks under ``namespaces`` (every namespace: None), each after all of its descendants. O(blocks).
 

@@ -83,36 +83,58 @@ class ShardTiers:
             self._transfers[tid] = TierTransfer()
         return self._transfers[tid]
 
-    def transfer_done(self, tid: int, ok: bool = True) -> None:
+    def transfer_done(self, tid: int, ok: bool = True) -> tuple[list[tuple[int, int]], list[int]]:
         """The copies of transfer ``tid`` ran (``ok``) or failed: release its pins, make its blocks matchable.
 
         On failure, held demotions go back to the device (cached there, as
-        before the demotion) where their host block is still in the tree; a
-        swap-out's host blocks are freed and the sequence is lost (a failed
-        copy breaks the stream worker, which fails the manager); blocks whose
-        content the failed copy should have written stay unready.
+        before the demotion) where their host block is still in the tree,
+        parents first; one whose parent moved to the host meanwhile has no
+        place on the device (device blocks are ancestor-closed) and its host
+        copy is not valid, so it leaves the tree with its subtree (host
+        blocks only). A swap-out's host blocks are freed and the sequence is
+        lost (a failed copy breaks the stream worker, which fails the
+        manager); blocks whose content the failed copy should have written
+        stay unready.
+
+        Returns:
+            ``(put_back, dropped)``: ``(host id, device block)`` of each held
+            demotion put back on the device, in order, and the host ids that
+            left the tree (both empty when ``ok``). Cache events describe them
+            (:meth:`~akv.events.shard_events.ShardEvents.put_back`).
 
         Raises:
             KeyError: ``tid`` is not a pending transfer of this shard.
         """
         t = self._transfers.pop(tid)
         pool, host, tree = self.pool, self.host, self.tree
+        put_back: list[tuple[int, int]] = []
+        dropped: list[int] = []
         if ok:
             self.unready.difference_update(t.unready)
         else:
-            for dev, hid in t.held:
-                if hid in tree:
-                    tree.relocate([hid], [dev])
-                    host.unpublish([hid])
-                    pool.mark_published([dev])
-                    self.unready.discard(hid)
-                    self.counters.demoted_blocks -= 1
+            for dev, hid in reversed(t.held):  # demoted deepest first: parents first
+                if hid not in tree:
+                    continue
+                parent, _ = tree.parent_of(hid)
+                if parent is not None and parent >= self.host_base:
+                    removed, _ = tree.remove_leaves(tree.subtree(hid))
+                    host.unpublish(removed)  # in flight ones are freed once unpinned
+                    self.unready.difference_update(removed)
+                    dropped += removed
+                    continue
+                tree.relocate([hid], [dev])
+                host.unpublish([hid])
+                pool.mark_published([dev])
+                self.unready.discard(hid)
+                self.counters.demoted_blocks -= 1
+                put_back.append((hid, dev))
         if t.swap_out is not None:
             self._swap_out_done(t.swap_out, ok)
         if t.device_pins:
             pool.unpin_copied(t.device_pins)
         if t.host_pins:
             host.unpin_copied(t.host_pins)
+        return put_back, dropped
 
     @property
     def num_pending_transfers(self) -> int:
