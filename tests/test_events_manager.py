@@ -1,10 +1,13 @@
 """Cache events of a real manager against its trees: a state machine with steps, evictions, clears, epochs, gaps.
 
-The ground truth is read from each shard's prefix tree (``block_info`` keys
-every block in the tree from its chain), never from the key indexes that
-produce the events. A router fed by a subscription with a tiny buffer (so it
-drops and resynchronizes through ``cached_keys()``) must hold exactly those
-keys, and with one shard answer exactly what ``lookup()`` answers.
+The ground truth is read from each shard's prefix tree (every block keyed
+from its chain, as ``block_info`` keys it, with its medium), never from the
+key indexes that produce the events. A router fed by a subscription with a
+tiny buffer (so it drops and resynchronizes through ``cached_keys()``) must
+hold exactly those ``(medium, key)`` pairs, and with one shard answer exactly
+what ``lookup()`` answers. Half the runs have a host tier behind a small
+device pool: admissions and ``evict()`` demote, admissions promote host hits,
+the host tier drops its own blocks.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import anyio
 import anyio.from_thread
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, note, settings
+from hypothesis import HealthCheck, event, note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -25,6 +28,7 @@ from akv.errors import InvalidInput
 from akv.events.types import AllBlocksCleared, BlockRemoved, BlockStored
 from akv.manager import KVCacheManager
 from akv.routing import CacheAwareRouter
+from akv.testing.tier_events_machine import tree_keys
 
 BLOCK_SIZE = 4
 # Prompts from a few shared prefixes, so prompts hit, share and diverge.
@@ -36,24 +40,24 @@ def _prompt(stem: int, tail: list[int]) -> np.ndarray:
 
 
 async def _tree_keys(kv: KVCacheManager) -> Counter:
-    """``{key: holders}`` of every block in every shard's tree, keyed from the tree itself."""
+    """``{(medium, key): holders}`` of every block in every shard's tree, keyed from the tree itself."""
     keys: Counter = Counter()
     for shard in kv._shards:
-        for block_id in shard.state.tree.block_ids():
-            keys[(await kv.block_info(block_id)).key] += 1
+        keys += tree_keys(shard.state)
     return keys
 
 
 class EventsMachine(RuleBasedStateMachine):
     """A manager with events on, a lagging subscriber and a router (see the module docstring)."""
 
-    @initialize(num_shards=st.integers(1, 2), buffer=st.sampled_from([2, 64]))
-    def start(self, num_shards: int, buffer: int) -> None:
+    @initialize(num_shards=st.integers(1, 2), buffer=st.sampled_from([2, 64]), host_blocks=st.sampled_from([0, 6, 12]))
+    def start(self, num_shards: int, buffer: int, host_blocks: int) -> None:
         self.portal_cm = anyio.from_thread.start_blocking_portal()
         self.portal = self.portal_cm.__enter__()
         # The eviction loop never wakes (watermarks 0): every eviction is a rule's, so reads are exact.
         cfg = KVCacheConfig(
-            num_blocks=24,
+            num_blocks=10 if host_blocks else 24,
+            host_blocks=host_blocks,
             block_size=BLOCK_SIZE,
             storage="none",
             num_shards=num_shards,
@@ -79,23 +83,35 @@ class EventsMachine(RuleBasedStateMachine):
             finally:
                 self.portal_cm.__exit__(None, None, None)
 
-    @rule(stem=st.integers(0, 2), tail=st.lists(st.integers(100, 103), max_size=6), ns=st.sampled_from([None, "a"]))
-    def admit(self, stem: int, tail: list[int], ns) -> None:
-        """Admit a prompt and commit it whole (its full blocks are published); rejected when no room."""
+    @rule(
+        stem=st.integers(0, 2),
+        tail=st.lists(st.integers(100, 101), max_size=5),  # few tails: prompts come back (hits, promotions)
+        ns=st.sampled_from([None, "a"]),
+        keep=st.booleans(),
+    )
+    def admit(self, stem: int, tail: list[int], ns, keep: bool) -> None:
+        """Admit a prompt and commit it whole (its full blocks are published), then keep it live or free it (cached)."""
         seq_id = f"s{self.counter}"
         self.counter += 1
         prompt = _prompt(stem, tail)
-        note(f"admit {seq_id} stem={stem} tail={tail} ns={ns}")
+        note(f"admit {seq_id} stem={stem} tail={tail} ns={ns} keep={keep}")
 
         async def go():
             result = await self.kv.step(admits=[Admit(seq_id=seq_id, prompt=prompt, namespace=ns)], want_metadata=False)
             if seq_id in result.rejected:
                 return False
             await self.kv.commit(seq_id, len(prompt) - result.cached_tokens[seq_id])
-            return True
+            if not keep:
+                await self.kv.free(seq_id)
+            return keep
 
         if self.portal.call(go):
             self.live.append(seq_id)
+        if self.kv.config.host_blocks:
+            stats = self.portal.call(self.kv.stats)
+            for name in ("demoted_blocks", "promoted_blocks", "host_evicted_blocks"):
+                if getattr(stats, name):
+                    event(f"host tier: {name} > 0")
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -139,11 +155,11 @@ class EventsMachine(RuleBasedStateMachine):
         assert not index.stale
         assert index.applied_seq == self.kv.events_last_seq
         truth = self.portal.call(_tree_keys, self.kv)
-        holders = {key: h for (_medium, key), (h, _p, _ns) in index.entries().items()}
+        holders = {slot: h for slot, (h, _p, _ns) in index.entries().items()}
         assert holders == dict(truth)
         keys, as_of = self.portal.call(self.kv.cached_keys)
         assert as_of == self.kv.events_last_seq
-        assert Counter(k.block_hash for k in keys) == truth
+        assert Counter((k.medium, k.block_hash) for k in keys) == truth
         self.portal.call(self.kv.check)
 
     @invariant()
@@ -158,7 +174,7 @@ class EventsMachine(RuleBasedStateMachine):
 
 
 EventsMachine.TestCase.settings = settings(
-    max_examples=40, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=60, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestEventsMachine = EventsMachine.TestCase
 

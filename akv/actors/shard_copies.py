@@ -7,7 +7,8 @@ device, host to device (:meth:`ShardCopies._submit_copies`). Until the batch
 has run, its copy-on-write blocks stay pinned and its tier transfer stays
 open; the first message after it finished releases them
 (:meth:`ShardCopies._settle_copies`), so the state the shard publishes never
-runs ahead of the copies. Its done callback wakes the tasks waiting for room.
+runs ahead of the copies (nor do its cache events: a failed held demotion's
+return to the device is published there). Its done callback wakes the tasks waiting for room.
 """
 
 from __future__ import annotations
@@ -113,7 +114,14 @@ class ShardCopies:
             self._schedule(self._wake_room)  # non-blocking: the copy thread never waits on the loop
 
     def _settle_copies(self) -> None:
-        """Release the pins and transfers of the copy batches that have finished (in submission order)."""
+        """Release the pins and transfers of the copy batches that have finished (in submission order).
+
+        Held demotions whose copy failed go back to the device, or leave the
+        tree (:meth:`~akv.core.tiers.ShardTiers.transfer_done`); with events
+        on, that is a batch of its own (``BlockRemoved`` from ``"host"``, then
+        ``BlockStored`` in ``"device"``), or the next part of a multi-shard
+        batch that is open (after this shard's earlier part, as it happened).
+        """
         if not self._pinned:
             return
         keep = []
@@ -124,8 +132,10 @@ class ShardCopies:
                 if blocks:
                     state.release_copy_pins(blocks)
                 if transfer is not None:
-                    state.transfer_done(transfer, ticket.exception() is None)
+                    put_back, dropped = state.transfer_done(transfer, ticket.exception() is None)
                     self._room_hint = True
+                    if (put_back or dropped) and self.events is not None:
+                        self.sink.emit(self.events.put_back(put_back, dropped))
             else:
                 keep.append(item)
         self._pinned = keep

@@ -252,6 +252,47 @@ class KeyIndex:
             self._namespaces[offset] = None
         return keys
 
+    def take(self, block_ids: list[int]) -> list[tuple[bytes, bytes | None, Hashable]]:
+        """Forget stored blocks that move to another index (a tier move); return their entries.
+
+        For the shard's own ids (:mod:`akv.events.tier_events`): distinct
+        blocks of this index. All or nothing. O(n).
+
+        Returns:
+            ``(key, parent key or None, namespace)`` per block, in order.
+
+        Raises:
+            InvalidInput: A block is not stored (nothing is forgotten).
+        """
+        offsets = np.asarray(block_ids, dtype=np.intp) - self.first_block_id
+        if len(offsets) and not self._stored[offsets].all():
+            raise InvalidInput(f"KeyIndex.take: a block of {block_ids[:8]} is not stored")
+        keys, parents = self._keys[offsets].tobytes(), self._parent_keys[offsets].tobytes()
+        spaces, out = self._namespaces, []
+        for j, (offset, has) in enumerate(zip(offsets.tolist(), self._has_parent[offsets].tolist())):
+            lo = KEY_BYTES * j
+            out.append((keys[lo : lo + KEY_BYTES], parents[lo : lo + KEY_BYTES] if has else None, spaces[offset]))
+            spaces[offset] = None
+        self._stored[offsets] = False
+        return out
+
+    def put(self, block_ids: list[int], entries: list[tuple[bytes, bytes | None, Hashable]]) -> None:
+        """Index blocks that moved here from another index, with the entries :meth:`take` returned.
+
+        All or nothing. O(n).
+
+        Raises:
+            InvalidInput: A block is stored already (nothing is indexed).
+        """
+        offsets = np.asarray(block_ids, dtype=np.intp) - self.first_block_id
+        if not len(offsets):
+            return
+        if self._stored[offsets].any():
+            raise InvalidInput(f"KeyIndex.put: a block of {block_ids[:8]} is stored already")
+        self._commit(
+            offsets.tolist(), [k for k, _, _ in entries], [p for _, p, _ in entries], [n for _, _, n in entries]
+        )
+
     def clear(self) -> int:
         """Forget every block (a prefix-cache reset); return how many were indexed."""
         count = len(self)

@@ -10,6 +10,11 @@ background action (:class:`~akv.events.hub.EventHub`).
 Order inside a shard's part of a batch: removals first, then stores. A step
 can evict a block and reuse it for a block it publishes in the same step, and
 a block published in a step is referenced, so the same step cannot evict it.
+
+With a host tier a second key index covers the shard's host ids, and tier
+moves carry a block's key from one index to the other
+(:mod:`akv.events.tier_events`): a demotion is a removal from ``"device"``
+and a store in ``"host"`` of the same key, a promotion the reverse.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from akv.errors import InvalidInput
 
 from .hub import EventHub
 from .key_index import KeyIndex
+from .tier_events import HOST, put_back_events, tier_step_events
 from .types import AllBlocksCleared, CachedKey
 
 if TYPE_CHECKING:
@@ -34,21 +40,25 @@ __all__ = ["EventSink", "ShardEvents"]
 
 
 class ShardEvents:
-    """Keys and events of one shard's prefix cache, medium ``"device"``.
+    """Keys and events of one shard's prefix cache: medium ``"device"``, and ``"host"`` for its host tier.
 
     Args:
         state: The shard (read: its tree and block tokens; never changed).
-        medium: The tier its blocks are in.
+        medium: The tier its device blocks are in.
     """
 
-    __slots__ = ("keys", "medium", "state")
+    __slots__ = ("host_keys", "keys", "medium", "state")
 
     def __init__(self, state: ShardState, *, medium: str = "device") -> None:
         self.state = state
         self.medium = medium
-        pool = state.pool
-        #: The shard's cached blocks' keys, by block id (mirrors its tree).
+        pool, host = state.pool, state.host
+        #: The shard's cached device blocks' keys, by block id (mirrors its tree).
         self.keys = KeyIndex(pool.num_blocks, state.block_size, first_block_id=pool.first_block_id)
+        #: The keys of its cached host blocks, by host id (None: no host tier).
+        self.host_keys = (
+            None if host is None else KeyIndex(host.num_blocks, state.block_size, first_block_id=host.first_block_id)
+        )
 
     def changed(self, removed_block_ids: list[int], stored_block_ids: list[int]) -> list:
         """The events of blocks that left the tree, then of blocks that entered it (in insertion order).
@@ -77,8 +87,40 @@ class ShardEvents:
         return events
 
     def step_events(self, outcome: StepOutcome) -> list:
-        """:meth:`changed` for one step's :class:`~akv.core.step.StepOutcome`."""
-        return self.changed(outcome.removed_block_ids, outcome.stored_block_ids)
+        """:meth:`changed` for one step's :class:`~akv.core.step.StepOutcome` (an eviction's, a swap's).
+
+        With a host tier, an outcome that moved blocks between tiers or
+        dropped host blocks takes :func:`~akv.events.tier_events.tier_step_events`.
+
+        Raises:
+            RuntimeError: The key indexes disagree with the tree (an akv bug).
+        """
+        removed = outcome.removed_block_ids
+        if self.host_keys is not None and (
+            outcome.demotes or outcome.promotes or (removed and max(removed) >= self.state.host_base)
+        ):
+            try:
+                return tier_step_events(self, outcome)
+            except InvalidInput as exc:
+                raise RuntimeError(
+                    f"shard {self.state.shard_index}: key indexes out of step with the tree: {exc}"
+                ) from exc
+        return self.changed(removed, outcome.stored_block_ids)
+
+    def put_back(self, pairs: list[tuple[int, int]], dropped: list[int]) -> list:
+        """Events of held demotions whose copy failed (:meth:`~akv.core.tiers.ShardTiers.transfer_done`).
+
+        Args:
+            pairs: ``(host id, device block)`` put back on the device.
+            dropped: Host ids that left the tree instead.
+
+        Raises:
+            RuntimeError: The key indexes disagree with the tree (an akv bug).
+        """
+        try:
+            return put_back_events(self, pairs, dropped)
+        except InvalidInput as exc:
+            raise RuntimeError(f"shard {self.state.shard_index}: key indexes out of step with the tree: {exc}") from exc
 
     def _stored(self, block_ids: list[int]) -> list:
         """``BlockStored`` events of blocks now in the tree: parents and namespaces read from it. O(blocks)."""
@@ -112,14 +154,22 @@ class ShardEvents:
             event: ``"removed"``: a ``BlockRemoved`` per key; ``"cleared"``:
                 ``AllBlocksCleared`` (every block was retired); ``"silent"``: none.
         """
+        hb, host_ids = self.state.host_base, []
+        if self.host_keys is not None and block_ids and max(block_ids) >= hb:
+            host_ids = [b for b in block_ids if b >= hb]
+            block_ids = [b for b in block_ids if b < hb]
         if event == "removed":
-            return self.keys.removed_events(block_ids, medium=self.medium) if block_ids else []
+            out = self.keys.removed_events(block_ids, medium=self.medium) if block_ids else []
+            return out + (self.host_keys.removed_events(host_ids, medium=HOST) if host_ids else [])
         self.keys.removed(block_ids)
+        if host_ids:
+            self.host_keys.removed(host_ids)
         return [AllBlocksCleared()] if event == "cleared" else []
 
     def cached_keys(self) -> list[CachedKey]:
-        """Every key the shard holds now, with its parent, namespace and medium."""
-        return self.keys.cached_keys(self.medium)
+        """Every key the shard holds now, with its parent, namespace and medium (device blocks, then host blocks)."""
+        keys = self.keys.cached_keys(self.medium)
+        return keys if self.host_keys is None else keys + self.host_keys.cached_keys(HOST)
 
 
 class EventSink:
