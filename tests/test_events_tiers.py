@@ -14,10 +14,15 @@ from collections import Counter
 
 import numpy as np
 
+from akv.actors.messages import Evict, Stats, Step
+from akv.actors.pool_shard import PoolShardActor
 from akv.core.block_key import chain_keys
+from akv.core.shard_state import ShardState
 from akv.core.step import Admit, StepOutcome, StepRequest
+from akv.events.hub import EventHub
 from akv.events.index import InstanceIndex
 from akv.events.jsonl import read_jsonl, write_jsonl
+from akv.events.shard_events import EventSink, ShardEvents
 from akv.events.types import BlockRemoved, BlockStored
 from akv.routing import CacheAwareRouter
 from akv.testing.tier_events_machine import EventedShard, tree_keys
@@ -148,3 +153,66 @@ def test_the_router_counts_a_host_tier_hit_as_a_prefix_hit() -> None:
     cold.evict(1)  # the whole chain on the host: still a 3-block prefix hit there
     router.apply("cold", cold.batches[-1])
     assert router.longest_prefix("cold", query) == 6 and router.longest_prefix("cold", query, medium="device") == 0
+
+
+class _Ticket:
+    """A copy ticket the test finishes by hand (the stream worker's interface the shard actor uses)."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self.finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+    def exception(self) -> BaseException | None:
+        return self.error
+
+    def add_done_callback(self, callback) -> None:
+        pass
+
+
+class _Executor:
+    """Copy-on-write copies run at once; tier copies wait for the test."""
+
+    def __init__(self) -> None:
+        self.tickets: list[_Ticket] = []
+
+    def submit(self, src, dst) -> _Ticket:
+        ticket = _Ticket()
+        ticket.finished = True
+        return ticket
+
+    def submit_tiers(self, **pairs) -> _Ticket:
+        self.tickets.append(_Ticket())
+        return self.tickets[-1]
+
+
+def test_the_shard_actor_publishes_a_failed_demotion_put_back_when_it_settles() -> None:
+    state = ShardState(0, range(0, 4), BS, null_block_id=4, host_ids=range(5, 9), sync_copies=False)
+    executor = _Executor()
+    actor = PoolShardActor(
+        state, executor, watermarks=(0, 0), wake_eviction=lambda: None, debug_invariants=True, inbox_capacity=4
+    )
+    hub = EventHub()
+    actor.events, actor.sink = ShardEvents(state), EventSink(hub)
+    sub = hub.subscribe(since=0)
+    prompt = np.array([1, 2, 3, 4, 0], dtype=np.int32)
+    actor.handle(Step(StepRequest(admits=[Admit(seq_id="s", prompt=prompt, prefill_done=True)]), None))
+    actor.handle(Step(StepRequest(frees=["s"]), None))
+    assert actor.handle(Evict(1)) == 1  # B goes to the host; its copy is pending
+    (ticket,) = executor.tickets
+    ticket.finished, ticket.error = True, RuntimeError("copy failed")
+    actor.handle(Stats())  # the next message settles the batch: B is put back on the device
+    a, b = chain_keys([1, 2, 3, 4], BS)
+    batches = [sub.receive_nowait() for _ in range(hub.log.last_seq)]
+    assert [_kinds(batch) for batch in batches[-2:]] == [
+        [("BlockRemoved", "device", [b]), ("BlockStored", "host", [b])],
+        [("BlockRemoved", "host", [b]), ("BlockStored", "device", [b])],
+    ]
+    index = InstanceIndex(BS)
+    for batch in batches:
+        assert index.apply(batch)
+    assert Counter({slot: h for slot, (h, _p, _ns) in index.entries().items()}) == tree_keys(state)
+    assert index.keys("device") == {a, b}
+    sub.close()
