@@ -49,3 +49,37 @@ def test_cli_events_out_and_final_cached_blocks(tmp_path, capsys) -> None:
     assert data["final_cached_blocks"] == {"device": len(index.keys())}
     assert data["final_cached_blocks"]["device"] > 0
     capsys.readouterr()
+
+
+@pytest.mark.anyio
+async def test_events_file_rebuilds_the_final_cached_set_per_medium_with_a_host_tier(tmp_path) -> None:
+    requests = read_trace(default_trace_path(), limit=40)
+    # A small device pool and a smaller host tier: the replay demotes, promotes and drops host blocks.
+    cfg = KVCacheConfig(num_blocks=600, block_size=16, storage="none", host_blocks=500, enable_events=True)
+    path = tmp_path / "events.jsonl"
+    async with KVCacheManager(cfg) as kv:
+        _, final, as_of = await replay_with_events(kv, lambda: replay(kv, requests, ReplayOptions()), path)
+        keys, now = await kv.cached_keys()
+        stats = await kv.stats()
+    assert stats.demoted_blocks > 0 and stats.promoted_blocks > 0 and stats.host_evicted_blocks > 0
+    assert now == as_of
+    index = InstanceIndex(16)
+    for batch in read_jsonl(path):
+        assert index.apply(batch)
+    rebuilt = {slot: holders for slot, (holders, _p, _ns) in index.entries().items()}
+    assert rebuilt == dict(Counter((k.medium, k.block_hash) for k in keys))
+    assert final == {"device": stats.prefix_cache_blocks - stats.host_cached, "host": stats.host_cached}
+    assert final == {medium: len(index.keys(medium)) for medium in final}
+
+
+def test_cli_events_out_with_host_blocks(tmp_path, capsys) -> None:
+    events, report = tmp_path / "e.jsonl", tmp_path / "r.json"
+    args = ["replay", "--limit", "40", "--num-blocks", "600", "--host-blocks", "500", "--storage", "none"]
+    assert main([*args, "--no-progress", "--events-out", str(events), "--json", str(report)]) == 0
+    data = json.loads(report.read_text())
+    index = InstanceIndex(16)
+    for batch in read_jsonl(events):
+        assert index.apply(batch)
+    assert data["final_cached_blocks"] == {medium: len(index.keys(medium)) for medium in ("device", "host")}
+    assert data["final_cached_blocks"]["host"] > 0
+    capsys.readouterr()

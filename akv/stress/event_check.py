@@ -19,7 +19,9 @@ from collections import Counter
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 
+from akv.core.block_key import chain_keys_raw, chain_suffix
 from akv.events.types import AllBlocksCleared, BlockRemoved, BlockStored
 
 __all__ = ["EVENTS_BUFFER", "EventCheck"]
@@ -121,9 +123,17 @@ class EventCheck:
             self._error(f"events: cached_keys() differs from the prefix trees: {missing} missing, {extra} extra")
 
     async def _tree_keys(self) -> Counter:
-        """``(medium, key) -> holders`` keyed from the shards' prefix trees (``block_info``), not the key indexes."""
+        """``(medium, key) -> holders`` keyed from the shards' prefix trees (as ``block_info`` keys), not the key indexes.
+
+        A block's medium is its tier (``"host"`` for a host-tier id, see
+        :mod:`akv.core.tiers`). O(blocks x depth).
+        """
         truth: Counter = Counter()
         for shard in self.kv._shards:  # the harness audits the shards' own state (as akv.stress.audit does)
-            for block_id in shard.state.tree.block_ids():
-                truth["device", (await self.kv.block_info(block_id)).key] += 1
+            tree, bs = shard.state.tree, shard.state.block_size
+            for block_id in tree.block_ids():
+                (_, namespace), raw = tree.chain(block_id)  # tree namespaces are (shard index, namespace)
+                key = chain_keys_raw(raw, bs, chain_suffix(namespace))[-1]
+                truth["host" if tree.is_host(block_id) else "device", key] += 1
+            await anyio.lowlevel.checkpoint()
         return truth
