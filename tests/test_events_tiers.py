@@ -13,9 +13,11 @@ import io
 from collections import Counter
 
 import numpy as np
+import pytest
 
 from akv.actors.messages import Evict, Stats, Step
 from akv.actors.pool_shard import PoolShardActor
+from akv.config import KVCacheConfig
 from akv.core.block_key import chain_keys
 from akv.core.shard_state import ShardState
 from akv.core.step import Admit, StepOutcome, StepRequest
@@ -24,6 +26,7 @@ from akv.events.index import InstanceIndex
 from akv.events.jsonl import read_jsonl, write_jsonl
 from akv.events.shard_events import EventSink, ShardEvents
 from akv.events.types import BlockRemoved, BlockStored
+from akv.manager import KVCacheManager
 from akv.routing import CacheAwareRouter
 from akv.testing.tier_events_machine import EventedShard, tree_keys
 
@@ -216,3 +219,39 @@ def test_the_shard_actor_publishes_a_failed_demotion_put_back_when_it_settles() 
     assert Counter({slot: h for slot, (h, _p, _ns) in index.entries().items()}) == tree_keys(state)
     assert index.keys("device") == {a, b}
     sub.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("host_blocks", [0, 16])
+async def test_a_snapshot_load_is_published_as_stored_keys_on_both_tiers(tmp_path, host_blocks: int) -> None:
+    cfg = KVCacheConfig(
+        num_blocks=8,
+        block_size=4,
+        storage="none",
+        host_blocks=host_blocks,
+        low_watermark=0.0,
+        high_watermark=0.0,
+        enable_events=True,
+    )
+    async with KVCacheManager(cfg) as kv:
+        for i in range(4):  # more than the device pool holds: with a host tier, some blocks are on the host
+            prompt = np.arange(100 * i + 1, 100 * i + 14, dtype=np.int32)
+            await kv.add_sequence(f"s{i}", prompt)
+            await kv.commit(f"s{i}", len(prompt))
+            await kv.free(f"s{i}")
+        saved = Counter((k.medium, k.block_hash) for k in (await kv.cached_keys())[0])
+        await kv.save_snapshot(tmp_path)
+    async with KVCacheManager(cfg) as kv:
+        sub = kv.subscribe_events(since=0)
+        await kv.load_snapshot(tmp_path)
+        await kv.evict(3)  # loaded blocks leave again: their keys must be known
+        index = InstanceIndex(4)
+        while (batch := sub.receive_nowait()) is not None:
+            assert index.apply(batch)
+        truth = sum((tree_keys(shard.state) for shard in kv._shards), Counter())
+        assert Counter({slot: h for slot, (h, _p, _ns) in index.entries().items()}) == truth
+        assert {key for _, key in truth} | set(index.keys()) <= {key for _, key in saved}
+        assert ("host" in {m for m, _ in truth}) == bool(host_blocks)
+        await kv.clear_prefix_cache()
+        await kv.check()
+        sub.close()

@@ -24,9 +24,11 @@ sequences, evicted blocks or raised the free plus evictable blocks, when a
 copy batch finishes (its pins may free blocks without any message reaching
 the shard), and when the actor stops.
 
-With cache events on (``KVCacheConfig.enable_events``) the step, ``Evict``
-and ``Retire`` handlers hand what they changed in the prefix cache to the
-manager's event sink before they return (:mod:`akv.events.shard_events`).
+With cache events on (``KVCacheConfig.enable_events``) the step, ``Evict``,
+swap, ``Retire`` and snapshot-load (``ImportPublish``) handlers hand what
+they changed in the prefix cache to the manager's event sink before they
+return (:mod:`akv.events.shard_events`), and so does the settling of a copy
+batch that failed.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from akv.actors.runtime import Actor
 from akv.actors.shard_copies import ShardCopies
 from akv.actors.shard_snapshot import ShardSnapshot, take_snapshot
 from akv.actors.shard_views import inspect_block, inspect_sequence
-from akv.actors.snapshot_messages import SnapshotCall
+from akv.actors.snapshot_messages import ImportPublish, SnapshotCall
 from akv.core.cache_reset import ALL_NAMESPACES, retire_blocks
 from akv.core.shard_state import ShardState
 from akv.core.step import StepOutcome, StepRequest
@@ -206,6 +208,8 @@ class PoolShardActor(ShardCopies, Actor):
             result = [ticket for ticket, _, _ in self._pinned]
         elif isinstance(msg, SnapshotCall):
             result = msg.apply(self.state)
+            if self.events is not None and isinstance(msg, ImportPublish):  # a load's blocks entered the cache
+                self.sink.emit(self.events.loaded(msg.block_ids))
         elif not isinstance(msg, Stats):
             raise TypeError(f"{self.name}: unknown message {type(msg).__name__}")
         self._after()

@@ -29,7 +29,7 @@ from akv.errors import InvalidInput
 
 from .hub import EventHub
 from .key_index import KeyIndex
-from .tier_events import HOST, put_back_events, tier_step_events
+from .tier_events import HOST, loaded_events, put_back_events, tier_step_events
 from .types import AllBlocksCleared, CachedKey
 
 if TYPE_CHECKING:
@@ -119,6 +119,21 @@ class ShardEvents:
         """
         try:
             return put_back_events(self, pairs, dropped)
+        except InvalidInput as exc:
+            raise RuntimeError(f"shard {self.state.shard_index}: key indexes out of step with the tree: {exc}") from exc
+
+    def loaded(self, block_ids: list[int]) -> list:
+        """``BlockStored`` events of the blocks a snapshot load published (those of ``block_ids`` now in the tree).
+
+        Args:
+            block_ids: The blocks the load reserved, each after its parent.
+
+        Raises:
+            RuntimeError: The key indexes disagree with the tree (an akv bug).
+        """
+        tree = self.state.tree
+        try:
+            return loaded_events(self, [b for b in block_ids if b in tree])
         except InvalidInput as exc:
             raise RuntimeError(f"shard {self.state.shard_index}: key indexes out of step with the tree: {exc}") from exc
 

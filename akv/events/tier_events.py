@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from akv.core.block_key import block_key_raw, chain_suffix
+
 from .types import BlockRemoved, stored_unchecked
 
 if TYPE_CHECKING:
@@ -50,7 +52,7 @@ if TYPE_CHECKING:
 
     from .shard_events import ShardEvents
 
-__all__ = ["HOST", "moved_stored", "put_back_events", "tier_step_events"]
+__all__ = ["HOST", "loaded_events", "moved_stored", "put_back_events", "tier_step_events"]
 
 #: The medium of a shard's host tier.
 HOST = "host"
@@ -180,3 +182,41 @@ def put_back_events(events: ShardEvents, pairs: list[tuple[int, int]], dropped: 
     gone += [key for key, _, _ in entries]
     removed = [BlockRemoved(block_hashes=gone, medium=HOST)] if gone else []
     return removed + moved_stored(events, targets, entries, events.medium)
+
+
+def loaded_events(events: ShardEvents, block_ids: list[int]) -> list:
+    """``BlockStored`` events of blocks a snapshot load published, on either tier; indexes them. O(blocks) hashes.
+
+    Args:
+        events: The shard's events.
+        block_ids: The loaded blocks now in the tree, each after its parent
+            (a snapshot's rows are topological). Device blocks hang below
+            device blocks only; a host block may hang below either.
+
+    Returns:
+        The device blocks' events, then the host blocks'.
+    """
+    hb = events.state.host_base
+    dev = block_ids if hb is None else [b for b in block_ids if b < hb]
+    out = events._stored(dev) if dev else []
+    host = [] if hb is None else [b for b in block_ids if b >= hb]
+    if not host:
+        return out
+    tree, w = events.state.tree, 4 * events.state.block_size
+    raw = tree.block_tokens(host)
+    earlier: dict[int, tuple] = {}  # host id -> entry, for this call's blocks
+    entries = []
+    for i, b in enumerate(host):
+        parent, root = tree.parent_of(b)
+        if parent is None:
+            parent_key, namespace = None, root[1]  # tree namespaces are (shard index, namespace)
+        elif parent in earlier:
+            parent_key, _, namespace = earlier[parent]
+        else:
+            index = events.host_keys if parent >= hb else events.keys
+            parent_key, namespace = index.key(parent), index.namespace(parent)
+        entry = (block_key_raw(parent_key, raw[i * w : (i + 1) * w], chain_suffix(namespace)), parent_key, namespace)
+        earlier[b] = entry
+        entries.append(entry)
+    events.host_keys.put(host, entries)
+    return out + moved_stored(events, host, entries, HOST)
