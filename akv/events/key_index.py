@@ -253,13 +253,10 @@ class KeyIndex:
         return keys
 
     def take(self, block_ids: list[int]) -> list[tuple[bytes, bytes | None, Hashable]]:
-        """Forget stored blocks that move to another index (a tier move); return their entries.
-
-        For the shard's own ids (:mod:`akv.events.tier_events`): distinct
-        blocks of this index. All or nothing. O(n).
+        """Forget distinct stored blocks that move to another index (a tier move, :mod:`akv.events.tier_events`).
 
         Returns:
-            ``(key, parent key or None, namespace)`` per block, in order.
+            ``(key, parent key or None, namespace)`` per block, in order. O(n).
 
         Raises:
             InvalidInput: A block is not stored (nothing is forgotten).
@@ -277,21 +274,17 @@ class KeyIndex:
         return out
 
     def put(self, block_ids: list[int], entries: list[tuple[bytes, bytes | None, Hashable]]) -> None:
-        """Index blocks that moved here from another index, with the entries :meth:`take` returned.
-
-        All or nothing. O(n).
+        """Index blocks that moved here with the entries :meth:`take` returned (all or nothing, O(n)).
 
         Raises:
             InvalidInput: A block is stored already (nothing is indexed).
         """
         offsets = np.asarray(block_ids, dtype=np.intp) - self.first_block_id
-        if not len(offsets):
-            return
-        if self._stored[offsets].any():
+        if len(offsets) and self._stored[offsets].any():
             raise InvalidInput(f"KeyIndex.put: a block of {block_ids[:8]} is stored already")
-        self._commit(
-            offsets.tolist(), [k for k, _, _ in entries], [p for _, p, _ in entries], [n for _, _, n in entries]
-        )
+        if len(offsets):
+            keys, parents, spaces = zip(*entries)
+            self._commit(offsets.tolist(), list(keys), list(parents), list(spaces))
 
     def clear(self) -> int:
         """Forget every block (a prefix-cache reset); return how many were indexed."""
