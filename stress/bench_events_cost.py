@@ -10,12 +10,16 @@ round by round, so machine load hits both alike):
 - **replay**: ``akv.replay`` over the head of the conversation trace (the README
   main job, ``--limit`` requests, a pool of ``--replay-blocks`` so it evicts),
   events off against on with a subscriber draining every batch; the replay's
-  own step latency (mean, p50) and wall time.
+  own step latency (mean, p50) and wall time. With ``--host-blocks`` both
+  variants have a host tier of that many blocks: evictions demote, host hits
+  are promoted, the host tier drops its own blocks, and each of those is an
+  event (docs/events.md, "Tiers"); the tier's counts are printed.
 
 Prints one line per measurement and writes JSON.
 
     OMP_NUM_THREADS=1 python3 stress/bench_events_cost.py            # JSON to stress/results/bench_events_cost.json
     OMP_NUM_THREADS=1 python3 stress/bench_events_cost.py --rounds 3 --limit 100 --out /tmp/c.json
+    OMP_NUM_THREADS=1 python3 stress/bench_events_cost.py --host-blocks 16384 --out stress/results/bench_events_cost_host.json
 """
 
 from __future__ import annotations
@@ -42,7 +46,13 @@ from akv.trace import default_trace_path, read_trace
 async def _decode_round(args: argparse.Namespace, events: bool) -> float:
     """Seconds per decode step of one round (a fresh manager; with events, one subscriber drained each step)."""
     num_blocks = args.batch * (2 + (args.prompt + args.steps) // args.block_size + 1)
-    cfg = KVCacheConfig(num_blocks=num_blocks, block_size=args.block_size, storage="none", enable_events=events)
+    cfg = KVCacheConfig(
+        num_blocks=num_blocks,
+        block_size=args.block_size,
+        storage="none",
+        host_blocks=args.host_blocks,
+        enable_events=events,
+    )
     rng = np.random.default_rng(0)
     async with KVCacheManager(cfg) as kv:
         sub = kv.subscribe_events() if events else None
@@ -62,7 +72,9 @@ async def _decode_round(args: argparse.Namespace, events: bool) -> float:
 
 
 async def _replay_round(args: argparse.Namespace, requests: list, events: bool) -> dict:
-    cfg = KVCacheConfig(num_blocks=args.replay_blocks, block_size=16, storage="none", enable_events=events)
+    cfg = KVCacheConfig(
+        num_blocks=args.replay_blocks, block_size=16, storage="none", host_blocks=args.host_blocks, enable_events=events
+    )
     async with KVCacheManager(cfg) as kv:
         batches = 0
         async with anyio.create_task_group() as tg:
@@ -81,7 +93,8 @@ async def _replay_round(args: argparse.Namespace, requests: list, events: bool) 
             if events:
                 sub.close()
     lat = report.step_latency_us
-    return {"wall_s": wall, "mean_us": lat.get("mean"), "p50_us": lat.get("p50"), "batches": batches}
+    tier = {name: getattr(report, name) for name in ("demoted_blocks", "promoted_blocks", "host_hit_tokens")}
+    return {"wall_s": wall, "mean_us": lat.get("mean"), "p50_us": lat.get("p50"), "batches": batches, "tier": tier}
 
 
 async def main_async(args: argparse.Namespace) -> dict:
@@ -103,6 +116,7 @@ async def main_async(args: argparse.Namespace) -> dict:
             "step_mean_us_median": statistics.median(x["mean_us"] for x in runs),
             "step_p50_us_median": statistics.median(x["p50_us"] for x in runs),
             "batches": runs[0]["batches"],
+            "tier": runs[0]["tier"],
         }
     d, r = out["decode_us_per_step"], out["replay"]
     out["overhead_pct"] = {
@@ -123,6 +137,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="paired rounds (default 5)")
     parser.add_argument("--limit", type=int, default=200, help="trace requests replayed (default 200)")
     parser.add_argument("--replay-blocks", type=int, default=4096, help="replay pool in blocks (default 4096)")
+    parser.add_argument("--host-blocks", type=int, default=0, help="host tier in blocks (default 0: none)")
     parser.add_argument("--out", type=Path, default=Path("stress/results/bench_events_cost.json"))
     args = parser.parse_args()
     # The host configures logging (akv never does): warnings only, so debug events cost nothing.
@@ -139,6 +154,9 @@ def main() -> None:
             f"replay, events {v:3}: step mean {r['step_mean_us_median']:7.1f} us  p50 {r['step_p50_us_median']:6.1f} us"
             f"  wall {r['wall_s_best']:.2f} s  batches {r['batches']}"
         )
+    if args.host_blocks:
+        t = result["replay"]["on"]["tier"]
+        print(f"host tier {args.host_blocks} blocks: " + "  ".join(f"{k} {v:,}" for k, v in t.items()))
     for k, v in result["overhead_pct"].items():
         print(f"overhead {k:18}: {v:+.1f} %")
     print(f"load average {result['machine']['load_avg']}")

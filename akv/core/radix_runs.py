@@ -267,8 +267,15 @@ class RunQueries:
         parent = node.parent
         return (parent.blocks[-1], None) if parent.parent is not None else (None, parent.namespace)
 
-    def block_tokens(self, block_ids: Iterable[int]) -> bytes:
-        """The token ids of blocks in the tree, as int32 LE bytes (``4 * block_size`` per block, in order). O(blocks).
+    def holds(self, block_ids: np.ndarray) -> np.ndarray:
+        """Whether each of ``block_ids`` (an int array, ids >= 0) is in the tree: bool ``(n,)``. O(n)."""
+        inside = block_ids < len(self._node_of)
+        out = np.zeros(len(block_ids), dtype=bool)
+        out[inside] = self._node_of[block_ids[inside]] >= 0
+        return out
+
+    def block_tokens(self, block_ids: Iterable[int]) -> np.ndarray:
+        """The token ids of blocks in the tree: int32 ``(n, block_size)``, in order. O(n) plus O(1) per run.
 
         What a block moved between tiers is described by in a cache event
         (its device block may hold other tokens by then).
@@ -276,13 +283,19 @@ class RunQueries:
         Raises:
             KeyError: A block is not in the tree.
         """
-        w, parts = self._width, []
-        for block_id in block_ids:
-            node, pos = self._place(None, block_id, create=False)
-            if node is None:
-                raise KeyError(block_id)
-            parts.append(node.tokens[pos * w : (pos + 1) * w])
-        return b"".join(parts)
+        ids = np.asarray(block_ids, dtype=np.int64)
+        w = self._width
+        if len(ids) and (ids.min() < 0 or ids.max() >= len(self._node_of) or (self._node_of[ids] < 0).any()):
+            raise KeyError(f"a block of {ids.tolist()[:8]} is not in the tree")
+        out = np.empty((len(ids), w), dtype=np.uint8)
+        nids, pos = self._node_of[ids], self._pos_of[ids]
+        order = np.argsort(nids, kind="stable")
+        cuts = np.flatnonzero(np.diff(nids[order])) + 1
+        for group in np.split(order, cuts) if len(ids) else ():
+            rows = np.frombuffer(self._nodes[nids[group[0]]].tokens, dtype=np.uint8).reshape(-1, w)
+            out[group] = rows[pos[group]]
+            del rows  # the run's bytearray may grow again
+        return out.view("<i4")
 
     def subtree(self, block_id: int) -> list[int]:
         """``block_id`` and every block below it, each after all of its descendants. O(subtree).

@@ -252,11 +252,13 @@ class KeyIndex:
             self._namespaces[offset] = None
         return keys
 
-    def take(self, block_ids: list[int]) -> list[tuple[bytes, bytes | None, Hashable]]:
+    def take(self, block_ids: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list]:
         """Forget distinct stored blocks that move to another index (a tier move, :mod:`akv.events.tier_events`).
 
         Returns:
-            ``(key, parent key or None, namespace)`` per block, in order. O(n).
+            ``(keys, parent_keys, has_parent, namespaces)``: uint8 ``(n, 16)``
+            twice, bool ``(n,)`` (False: a prompt's first block) and a list,
+            in ``block_ids`` order; what :meth:`put` takes. O(n).
 
         Raises:
             InvalidInput: A block is not stored (nothing is forgotten).
@@ -264,16 +266,14 @@ class KeyIndex:
         offsets = np.asarray(block_ids, dtype=np.intp) - self.first_block_id
         if len(offsets) and not self._stored[offsets].all():
             raise InvalidInput(f"KeyIndex.take: a block of {block_ids[:8]} is not stored")
-        keys, parents = self._keys[offsets].tobytes(), self._parent_keys[offsets].tobytes()
-        spaces, out = self._namespaces, []
-        for j, (offset, has) in enumerate(zip(offsets.tolist(), self._has_parent[offsets].tolist())):
-            lo = KEY_BYTES * j
-            out.append((keys[lo : lo + KEY_BYTES], parents[lo : lo + KEY_BYTES] if has else None, spaces[offset]))
+        spaces, namespaces = self._namespaces, []
+        for offset in offsets.tolist():
+            namespaces.append(spaces[offset])
             spaces[offset] = None
         self._stored[offsets] = False
-        return out
+        return self._keys[offsets], self._parent_keys[offsets], self._has_parent[offsets], namespaces
 
-    def put(self, block_ids: list[int], entries: list[tuple[bytes, bytes | None, Hashable]]) -> None:
+    def put(self, block_ids: list[int], entries: tuple[np.ndarray, np.ndarray, np.ndarray, list]) -> None:
         """Index blocks that moved here with the entries :meth:`take` returned (all or nothing, O(n)).
 
         Raises:
@@ -282,9 +282,15 @@ class KeyIndex:
         offsets = np.asarray(block_ids, dtype=np.intp) - self.first_block_id
         if len(offsets) and self._stored[offsets].any():
             raise InvalidInput(f"KeyIndex.put: a block of {block_ids[:8]} is stored already")
-        if len(offsets):
-            keys, parents, spaces = zip(*entries)
-            self._commit(offsets.tolist(), list(keys), list(parents), list(spaces))
+        self._keys[offsets], self._parent_keys[offsets], self._has_parent[offsets], namespaces = entries
+        spaces = self._namespaces
+        for offset, namespace in zip(offsets.tolist(), namespaces):
+            spaces[offset] = namespace
+        self._stored[offsets] = True
+
+    def stored_mask(self, block_ids: np.ndarray) -> np.ndarray:
+        """Whether each of the shard's ``block_ids`` (an int array) is stored: bool ``(n,)``. O(n)."""
+        return self._stored[block_ids - self.first_block_id]
 
     def clear(self) -> int:
         """Forget every block (a prefix-cache reset); return how many were indexed."""

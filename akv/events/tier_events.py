@@ -39,11 +39,12 @@ count, is akv's bug: ``RuntimeError`` (it crashes the shard's actor).
 from __future__ import annotations
 
 from collections import Counter
+from itertools import pairwise
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from akv.core.block_key import block_key_raw, chain_suffix
+from akv.core.block_key import KEY_BYTES, block_key_raw, chain_suffix
 
 from .types import BlockRemoved, stored_unchecked
 
@@ -58,62 +59,97 @@ __all__ = ["HOST", "loaded_events", "moved_stored", "put_back_events", "tier_ste
 HOST = "host"
 
 
-def moved_stored(events: ShardEvents, block_ids: list[int], entries: list, medium: str) -> list:
+def _key_list(keys: np.ndarray) -> list[bytes]:
+    """uint8 ``(n, 16)`` keys as a list of ``n`` 16-byte ``bytes``."""
+    raw = keys.tobytes()
+    return [raw[i : i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]
+
+
+def _select(entries: tuple, rows: np.ndarray) -> tuple:
+    """The ``rows`` (an int array) of :meth:`~akv.events.key_index.KeyIndex.take` entries."""
+    keys, parents, has_parent, namespaces = entries
+    return keys[rows], parents[rows], has_parent[rows], [namespaces[i] for i in rows.tolist()]
+
+
+def moved_stored(events: ShardEvents, block_ids: list[int], entries: tuple, medium: str) -> list:
     """``BlockStored`` events of blocks that moved into ``medium`` (now at ``block_ids`` in the tree).
 
-    Consecutive blocks of one chain (each the parent of the next, one
-    namespace) share an event, as for stores. Tokens are read from the tree.
+    Consecutive blocks of one chain (each the parent of the next) share an
+    event, as for stores. Tokens are read from the tree. O(blocks), numpy
+    but for one event per run.
 
     Args:
         events: The shard's events.
         block_ids: The blocks' ids in the tree now.
-        entries: Per block, ``(key, parent key or None, namespace)``.
+        entries: Their ``(keys, parent_keys, has_parent, namespaces)``
+            (:meth:`~akv.events.key_index.KeyIndex.take`).
         medium: ``"device"`` or ``"host"``.
 
     Returns:
         The events, in ``block_ids`` order (empty for no blocks).
     """
-    if not block_ids:
+    n = len(block_ids)
+    if not n:
         return []
     bs = events.state.block_size
-    tokens = np.frombuffer(events.state.tree.block_tokens(block_ids), dtype="<i4").tolist()
-    out, start = [], 0
-    for i in range(1, len(entries) + 1):
-        if i < len(entries) and entries[i][1] == entries[i - 1][0] and entries[i][2] == entries[i - 1][2]:
-            continue  # the chain goes on
-        run = entries[start:i]
-        keys = [key for key, _, _ in run]
-        out.append(stored_unchecked(keys, run[0][1], tokens[start * bs : i * bs], bs, medium, run[0][2]))
-        start = i
+    keys, parents, has_parent, namespaces = entries
+    rows = events.state.tree.block_tokens(block_ids)  # int32 (n, block_size)
+    chained = np.zeros(n, dtype=bool)  # a key's parent is the key before it: one chain (one namespace)
+    chained[1:] = has_parent[1:] & (parents[1:] == keys[:-1]).all(axis=1)
+    starts = [*np.flatnonzero(~chained).tolist(), n]
+    key_list = _key_list(keys)
+    out = []
+    for start, stop in pairwise(starts):
+        parent = parents[start].tobytes() if has_parent[start] else None
+        tokens = rows[start:stop].reshape(-1).tolist()
+        out.append(stored_unchecked(key_list[start:stop], parent, tokens, bs, medium, namespaces[start]))
     return out
 
 
-def _host_cycles(events: ShardEvents, fills: dict[int, list], drops: Counter) -> tuple[list[int], list[int], list]:
-    """Each host id's arrivals and drops of the step, alternated (see the module docstring, 3).
+def _host_cycles(events: ShardEvents, fills: np.ndarray, drops: np.ndarray) -> tuple[list[int], np.ndarray]:
+    """Each host id's arrivals (``fills``, in order) and drops of the step, alternated (module docstring, 3).
 
     Returns:
-        ``(left, arrived ids, arrived entries)``: host ids whose holder at the
-        start left, and the ids and entries of the blocks that arrived and stayed.
+        ``(left, arrived)``: host ids whose holder at the start left, and the
+        indices into ``fills`` of the arrivals that stayed (ascending).
 
     Raises:
         RuntimeError: The counts do not alternate, or disagree with the tree.
     """
-    index, tree = events.host_keys, events.state.tree
-    left, arrived_ids, arrived = [], [], []
-    for hid in [*fills, *(h for h in drops if h not in fills)]:
-        came, went = fills.get(hid, ()), drops.get(hid, 0)
-        held = hid in index
-        if not (went - len(came) in (0, 1) if held else len(came) - went in (0, 1)):
-            raise RuntimeError(f"host id {hid}: {len(came)} arrivals and {went} drops in one step (held: {held})")
-        stays = held + len(came) - went == 1
-        if stays != (hid in tree):
-            raise RuntimeError(f"host id {hid}: {'not ' if stays else ''}in the tree after {len(came)} arrivals")
-        if held and went:
+    index = events.host_keys
+    if len(np.unique(fills)) == len(fills) and len(np.unique(drops)) == len(drops):  # each id changed once or twice
+        held_fill, held_drop = index.stored_mask(fills), index.stored_mask(drops)
+        fill_dropped, drop_filled = np.isin(fills, drops), np.isin(drops, fills)
+        if (held_fill & ~fill_dropped).any() or (~held_drop & ~drop_filled).any():
+            raise RuntimeError("a demotion into a host id that held a block, or a drop of an empty one")
+        arrived = np.flatnonzero(held_fill | ~fill_dropped)  # an empty id filled, then dropped: in and out
+        left = drops[held_drop].tolist()
+    else:
+        left, arrived = _host_cycles_slow(index, fills, drops)
+    stay = fills[arrived]
+    tree_ids = np.union1d(fills, drops)
+    expected = np.isin(tree_ids, stay)
+    if (events.state.tree.holds(tree_ids) != expected).any():
+        raise RuntimeError(f"host ids {tree_ids[:8].tolist()}: the tree disagrees with the step's moves")
+    return left, arrived
+
+
+def _host_cycles_slow(index, fills: np.ndarray, drops: np.ndarray) -> tuple[list[int], np.ndarray]:
+    """:func:`_host_cycles` of a step that changed some host id more than twice: one id at a time."""
+    came: dict[int, list[int]] = {}
+    for i, hid in enumerate(fills.tolist()):
+        came.setdefault(hid, []).append(i)
+    went = Counter(drops.tolist())
+    left, arrived = [], []
+    for hid in [*came, *(h for h in went if h not in came)]:
+        n_in, n_out, held = len(came.get(hid, ())), went.get(hid, 0), hid in index
+        if not (n_out - n_in in (0, 1) if held else n_in - n_out in (0, 1)):
+            raise RuntimeError(f"host id {hid}: {n_in} arrivals and {n_out} drops in one step (held: {held})")
+        if held and n_out:
             left.append(hid)
-        if stays and came:
-            arrived_ids.append(hid)
-            arrived.append(came[-1])
-    return left, arrived_ids, arrived
+        if n_in and held + n_in - n_out == 1:
+            arrived.append(came[hid][-1])
+    return left, np.array(sorted(arrived), dtype=np.intp)
 
 
 def tier_step_events(events: ShardEvents, out: StepOutcome) -> list:
@@ -136,19 +172,17 @@ def tier_step_events(events: ShardEvents, out: StepOutcome) -> list:
     dev, host, hb = events.keys, events.host_keys, events.state.host_base
     removed = out.removed_block_ids
     promoted = host.take([h for h, _ in out.promotes])  # 1
-    gone_host = [key for key, _, _ in promoted]
+    gone_host = _key_list(promoted[0])
     dropped = [b for b in removed if b < hb]  # 2
     gone_dev = dev.removed(dropped) if dropped else []
     demoted = dev.take([d for d, _ in out.demotes])
-    gone_dev += [key for key, _, _ in demoted]
-    fills: dict[int, list] = {}  # 3
-    for (_, hid), entry in zip(out.demotes, demoted):
-        fills.setdefault(hid, []).append(entry)
-    left, arrived_ids, arrived = _host_cycles(events, fills, Counter(b for b in removed if b >= hb))
+    gone_dev += _key_list(demoted[0])
+    fills = np.array([h for _, h in out.demotes], dtype=np.int64)  # 3
+    left, arrived = _host_cycles(events, fills, np.array([b for b in removed if b >= hb], dtype=np.int64))
     gone_host += host.removed(left) if left else []
-    arrived_ids.reverse()  # demotions run deepest first: parents first, so one chain is one event
-    arrived.reverse()
-    host.put(arrived_ids, arrived)
+    arrived = arrived[::-1]  # demotions run deepest first: parents first, so one chain is one event
+    arrived_ids, arrived_entries = fills[arrived].tolist(), _select(demoted, arrived)
+    host.put(arrived_ids, arrived_entries)
     targets = [d for _, d in out.promotes]  # 4
     dev.put(targets, promoted)
     result: list = []
@@ -156,7 +190,7 @@ def tier_step_events(events: ShardEvents, out: StepOutcome) -> list:
         result.append(BlockRemoved(block_hashes=gone_dev, medium=events.medium))
     if gone_host:
         result.append(BlockRemoved(block_hashes=gone_host, medium=HOST))
-    result += moved_stored(events, arrived_ids, arrived, HOST)
+    result += moved_stored(events, arrived_ids, arrived_entries, HOST)
     result += moved_stored(events, targets, promoted, events.medium)
     if out.stored_block_ids:
         result += events._stored(out.stored_block_ids)
@@ -179,7 +213,7 @@ def put_back_events(events: ShardEvents, pairs: list[tuple[int, int]], dropped: 
     entries = events.host_keys.take([h for h, _ in pairs])
     targets = [d for _, d in pairs]
     events.keys.put(targets, entries)
-    gone += [key for key, _, _ in entries]
+    gone += _key_list(entries[0])
     removed = [BlockRemoved(block_hashes=gone, medium=HOST)] if gone else []
     return removed + moved_stored(events, targets, entries, events.medium)
 
@@ -202,10 +236,10 @@ def loaded_events(events: ShardEvents, block_ids: list[int]) -> list:
     host = [] if hb is None else [b for b in block_ids if b >= hb]
     if not host:
         return out
-    tree, w = events.state.tree, 4 * events.state.block_size
-    raw = tree.block_tokens(host)
-    earlier: dict[int, tuple] = {}  # host id -> entry, for this call's blocks
-    entries = []
+    tree = events.state.tree
+    raw = tree.block_tokens(host).tobytes()
+    w = len(raw) // len(host)
+    earlier: dict[int, tuple] = {}  # host id -> (key, parent key, namespace), for this call's blocks
     for i, b in enumerate(host):
         parent, root = tree.parent_of(b)
         if parent is None:
@@ -215,8 +249,13 @@ def loaded_events(events: ShardEvents, block_ids: list[int]) -> list:
         else:
             index = events.host_keys if parent >= hb else events.keys
             parent_key, namespace = index.key(parent), index.namespace(parent)
-        entry = (block_key_raw(parent_key, raw[i * w : (i + 1) * w], chain_suffix(namespace)), parent_key, namespace)
-        earlier[b] = entry
-        entries.append(entry)
+        key = block_key_raw(parent_key, raw[i * w : (i + 1) * w], chain_suffix(namespace))
+        earlier[b] = (key, parent_key, namespace)
+    keys = np.frombuffer(b"".join(k for k, _, _ in earlier.values()), dtype=np.uint8).reshape(-1, KEY_BYTES)
+    parents = np.frombuffer(b"".join(p or bytes(KEY_BYTES) for _, p, _ in earlier.values()), dtype=np.uint8).reshape(
+        -1, KEY_BYTES
+    )
+    has_parent = np.array([p is not None for _, p, _ in earlier.values()], dtype=bool)
+    entries = (keys, parents, has_parent, [ns for _, _, ns in earlier.values()])
     events.host_keys.put(host, entries)
     return out + moved_stored(events, host, entries, HOST)
