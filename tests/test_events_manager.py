@@ -50,8 +50,13 @@ async def _tree_keys(kv: KVCacheManager) -> Counter:
 class EventsMachine(RuleBasedStateMachine):
     """A manager with events on, a lagging subscriber and a router (see the module docstring)."""
 
-    @initialize(num_shards=st.integers(1, 2), buffer=st.sampled_from([2, 64]), host_blocks=st.sampled_from([0, 6, 12]))
-    def start(self, num_shards: int, buffer: int, host_blocks: int) -> None:
+    @initialize(
+        num_shards=st.integers(1, 2),
+        buffer=st.sampled_from([2, 64]),
+        host_blocks=st.sampled_from([0, 6, 12]),
+        storage=st.sampled_from(["none", "tensors"]),
+    )
+    def start(self, num_shards: int, buffer: int, host_blocks: int, storage: str) -> None:
         self.portal_cm = anyio.from_thread.start_blocking_portal()
         self.portal = self.portal_cm.__enter__()
         # The eviction loop never wakes (watermarks 0): every eviction is a rule's, so reads are exact.
@@ -59,7 +64,7 @@ class EventsMachine(RuleBasedStateMachine):
             num_blocks=10 if host_blocks else 24,
             host_blocks=host_blocks,
             block_size=BLOCK_SIZE,
-            storage="none",
+            storage=storage,  # tensors: the tiny model's CPU pool, copies (demotions, promotions) pending
             num_shards=num_shards,
             low_watermark=0.0,
             high_watermark=0.0,
@@ -111,7 +116,7 @@ class EventsMachine(RuleBasedStateMachine):
             stats = self.portal.call(self.kv.stats)
             for name in ("demoted_blocks", "promoted_blocks", "host_evicted_blocks"):
                 if getattr(stats, name):
-                    event(f"host tier: {name} > 0")
+                    event(f"host tier, storage {self.kv.config.storage}: {name} > 0")
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -174,7 +179,7 @@ class EventsMachine(RuleBasedStateMachine):
 
 
 EventsMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=80, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestEventsMachine = EventsMachine.TestCase
 
