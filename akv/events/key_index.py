@@ -245,20 +245,15 @@ class KeyIndex:
         if offsets and not self._stored[offsets].all():
             missing = [b for b, o in zip(ids, offsets) if not self._stored[o]]
             raise InvalidInput(f"KeyIndex.removed: blocks {missing[:8]} are not stored")
-        gathered = self._keys[offsets].tobytes()
-        keys = [gathered[KEY_BYTES * j : KEY_BYTES * (j + 1)] for j in range(len(offsets))]
-        self._stored[offsets] = False
-        for offset in offsets:
-            self._namespaces[offset] = None
-        return keys
+        gathered = self.take(ids)[0].tobytes()
+        return [gathered[KEY_BYTES * j : KEY_BYTES * (j + 1)] for j in range(len(offsets))]
 
     def take(self, block_ids: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list]:
-        """Forget distinct stored blocks that move to another index (a tier move, :mod:`akv.events.tier_events`).
+        """Forget distinct stored blocks, e.g. moving to another index (a tier move); O(n), all or nothing.
 
         Returns:
-            ``(keys, parent_keys, has_parent, namespaces)``: uint8 ``(n, 16)``
-            twice, bool ``(n,)`` (False: a prompt's first block) and a list,
-            in ``block_ids`` order; what :meth:`put` takes. O(n).
+            ``(keys, parent_keys, has_parent, namespaces)``: uint8 ``(n, 16)`` twice, bool
+            ``(n,)`` (False: a prompt's first block), a list; in order; what :meth:`put` takes.
 
         Raises:
             InvalidInput: A block is not stored (nothing is forgotten).
