@@ -97,7 +97,7 @@ class ShardEvents:
         """
         removed = outcome.removed_block_ids
         if self.host_keys is not None and (
-            outcome.demotes or outcome.promotes or (removed and max(removed) >= self.state.host_base)
+            outcome.demoted or outcome.promoted or (removed and max(removed) >= self.state.host_base)
         ):
             try:
                 return tier_step_events(self, outcome)

@@ -171,19 +171,19 @@ def tier_step_events(events: ShardEvents, out: StepOutcome) -> list:
     """
     dev, host, hb = events.keys, events.host_keys, events.state.host_base
     removed = out.removed_block_ids
-    promoted = host.take([h for h, _ in out.promotes])  # 1
+    promoted = host.take(out.promoted)  # 1
     gone_host = _key_list(promoted[0])
     dropped = [b for b in removed if b < hb]  # 2
     gone_dev = dev.removed(dropped) if dropped else []
-    demoted = dev.take([d for d, _ in out.demotes])
+    demoted = dev.take(out.demoted)
     gone_dev += _key_list(demoted[0])
-    fills = np.array([h for _, h in out.demotes], dtype=np.int64)  # 3
+    fills = np.array(out.demoted_to, dtype=np.int64)  # 3
     left, arrived = _host_cycles(events, fills, np.array([b for b in removed if b >= hb], dtype=np.int64))
     gone_host += host.removed(left) if left else []
     arrived = arrived[::-1]  # demotions run deepest first: parents first, so one chain is one event
     arrived_ids, arrived_entries = fills[arrived].tolist(), _select(demoted, arrived)
     host.put(arrived_ids, arrived_entries)
-    targets = [d for _, d in out.promotes]  # 4
+    targets = out.promoted_to  # 4
     dev.put(targets, promoted)
     result: list = []
     if gone_dev:

@@ -146,8 +146,8 @@ class TierEventsMachine(TierMachine):
             for i, (out, ran) in enumerate(self.queue)
             if not ran
             and out.transfer in transfers
-            and not (out.copies or out.promotes or out.swap_outs or out.swap_ins)
-            and len(transfers[out.transfer].held) == len(out.demotes)
+            and not (out.copies or out.promoted or out.swap_outs or out.swap_ins)
+            and len(transfers[out.transfer].held) == len(out.demoted)
         ]
 
     @precondition(lambda self: self._held_only())
@@ -158,7 +158,7 @@ class TierEventsMachine(TierMachine):
         i = data.draw(st.sampled_from(held), label="batch")
         out, _ = self.queue.pop(i)
         self.failing.append(out)
-        note(f"copies of batch {i} failed ({len(out.demotes)} held demotions)")
+        note(f"copies of batch {i} failed ({len(out.demoted)} held demotions)")
 
     @rule(namespace=st.sampled_from([ALL_NAMESPACES, None]))
     def reset(self, namespace) -> None:
