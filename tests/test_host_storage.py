@@ -35,7 +35,6 @@ def test_from_config_builds_a_host_pool_with_the_device_layout() -> None:
         assert cache.shape == (2, 7, 4, 2, 8)  # no null block on the host
         assert cache.dtype == torch.bfloat16 and cache.device.type == "cpu"
         assert cache.is_contiguous() and not cache.is_pinned()  # pinned only for a CUDA pool
-        assert not cache.any()
     assert not host.pinned
     assert host.bytes_per_block == storage.bytes_per_block == shape.bytes_per_block(4)
     assert host.nbytes == 7 * storage.bytes_per_block
@@ -196,3 +195,13 @@ def test_chunked_plan_spans_several_chunks() -> None:
     assert torch.equal(dst[:, torch.from_numpy(dst_ids)], src[:, torch.from_numpy(src_ids)])
     untouched = np.setdiff1d(np.arange(500), dst_ids)
     assert not dst[:, torch.from_numpy(untouched)].any()
+
+
+def test_a_host_pool_larger_than_the_machine_is_invalid_input_before_allocating() -> None:
+    import os
+
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    shape = ModelShape(name="x", num_layers=4, num_kv_heads=8, head_dim=128, dtype="float32")
+    blocks = physical // shape.bytes_per_block(1) + 1
+    with pytest.raises(InvalidInput, match="more than this machine"):
+        KVStorage.from_config(KVCacheConfig(num_blocks=5, block_size=1, model=shape, host_blocks=blocks))

@@ -28,6 +28,7 @@ are plain CPU memory. The cross-tier copies are
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import TYPE_CHECKING
 
@@ -81,13 +82,15 @@ class HostKVStorage:
     Attributes:
         kv_caches: One tensor per layer,
             ``(2, num_blocks, block_size, num_kv_heads, head_dim)``, K then
-            V, on the CPU, zero-initialised, contiguous.
+            V, on the CPU, contiguous, uninitialised (a slot is read only after a
+            copy wrote it, and pages never touched cost no memory).
         pinned: Whether the tensors are page-locked.
 
     Raises:
         InvalidInput: A size is not a positive int, the dtype is bad, CUDA is
-            not available for ``cuda_device``, or the tensors cannot be
-            allocated or page-locked (the message gives the GiB).
+            not available for ``cuda_device``, the pool is larger than the
+            machine's physical memory, or the tensors cannot be allocated or
+            page-locked (the message gives the GiB).
     """
 
     def __init__(
@@ -124,9 +127,16 @@ class HostKVStorage:
         shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
         nbytes = num_layers * 2 * num_blocks * block_size * num_kv_heads * head_dim * dtype.itemsize
         kind = "pinned host memory" if self.pinned else "host memory"
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if nbytes > physical:
+            raise InvalidInput(
+                f"cannot allocate the host KV pool ({nbytes / 2**30:,.2f} GiB of {kind}): "
+                f"more than this machine's {physical / 2**30:,.1f} GiB of memory"
+            )
         try:
             # each: (2, num_blocks, block_size, num_kv_heads, head_dim), K then V; no null block
-            self.kv_caches: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+            # uninitialised: a slot is only read after a copy wrote it, and untouched pages cost no memory
+            self.kv_caches: list[torch.Tensor] = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
             if cuda_device is not None:
                 _register(self.kv_caches, torch.device(cuda_device))
         except RuntimeError as exc:  # out of memory, page-locking refused, bad device
