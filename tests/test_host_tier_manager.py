@@ -8,7 +8,10 @@ block tables. Bad input and refusals change nothing.
 
 from __future__ import annotations
 
+import threading
+
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 
@@ -184,4 +187,60 @@ async def test_a_swapped_sequence_cannot_be_forked_or_reused_as_a_child_id(tiny_
         await kv.check()
         await kv.swap_in("a")
         await kv.fork("a", ["a1"])
+        await kv.check()
+
+
+def _hold_copies(kv: KVCacheManager) -> threading.Event:
+    """Hold every copy batch of the stream worker until the returned event is set."""
+    gate = threading.Event()
+    copier = kv._executor._cpu_copier  # reaching in on purpose: the real copies, held at their seam
+    run = copier.run
+
+    def held(batch) -> None:
+        gate.wait(30)
+        run(batch)
+
+    copier.run = held
+    return gate
+
+
+@pytest.mark.anyio
+async def test_a_block_demoted_on_demand_is_not_written_before_its_copy_ran(tiny_config) -> None:
+    """Regression: an admission refused after part of its room was made left a block it had demoted
+    on demand free, its copy to the host pending; the next step handed it out with no copy to wait
+    for, its runner wrote it, and the late copy put that K/V in the host block: a prompt hitting the
+    demoted prefix read another sequence's K/V. That step now carries the pending batch's ticket."""
+    async with KVCacheManager(tiny_config(num_blocks=6, host_blocks=8)) as kv:
+        gate = _hold_copies(kv)
+        try:
+            await admit(kv, "a", [1, 2, 3, 4, 5, 6])
+            await kv.fork("a", ["b"])
+            await kv.append("b", [7])  # copy-on-write of the shared tail: held
+            await kv.append("a", [8, 9])
+            await kv.commit("a", 2)  # a's tail is full and published, still the held copy's source
+            await kv.free("a")
+            await kv.free("b")  # a's first block cached above its pinned tail: not evictable yet
+            v = [20, 21, 22, 23, 24]
+            await admit(kv, "v", v)  # no copies of its own to wait for
+            await kv.free("v")  # v's first block: a cached leaf
+            result = await kv.step(admits=[Admit(seq_id="big", prompt=list(range(30, 46)))])
+            assert isinstance(result.rejected["big"], PoolExhausted)  # after demoting v's block on demand
+            assert (await kv.stats()).demoted_blocks == 1
+            result = await kv.step(admits=[Admit(seq_id="c", prompt=[40])])  # gets v's block
+
+            async def runner() -> None:  # waits for the step's copies, then writes c's K/V
+                await result.copies.wait()
+                values = expected(kv, [40])
+                kv.storage.write_all_layers(result.slot_mapping.to(torch.int64), values[:, 0], values[:, 1])
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(runner)
+                for _ in range(20):
+                    await anyio.lowlevel.checkpoint()
+                gate.set()
+        finally:
+            gate.set()
+        await kv.commit("c", 1)
+        assert await admit(kv, "v2", v) == BS  # v's demoted block, promoted
+        assert torch.equal(await read(kv, "v2"), expected(kv, v))
         await kv.check()

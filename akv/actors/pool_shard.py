@@ -281,6 +281,8 @@ class PoolShardActor(ShardCopies, Actor):
             allocated = self.state.counters.blocks_allocated
             outcome: StepOutcome = self.state.step(msg.request)
             ticket = self._submit_copies(outcome) if outcome.copies or outcome.transfer is not None else None
+            if ticket is None and outcome.wait_transfer is not None:
+                ticket = self._earlier_ticket(outcome)
             if self.events is not None:
                 self.sink.emit(self.events.step_events(outcome))
             if span.is_recording():

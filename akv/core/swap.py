@@ -168,6 +168,8 @@ class ShardSwaps:
         if err is not None:
             raise err
         blocks = self.pool.allocate(n)
+        if self.released:
+            self._note_reused(out)  # its own copies run after that batch: waiting for them is enough
         seq = Sequence(seq_id, rec.namespace, rec.num_prompt_tokens, self.tables.new_row())
         seq.block_ids.extend(blocks)
         seq.num_cached_tokens = rec.num_cached_tokens

@@ -16,7 +16,14 @@ by dropping its own leaves in its policy order. Blocks that cannot move
 - *on demand* (a step needs the device block now): the device block is free
   at once and the step's copy batch copies it out before anything else, so
   a runner that waits for the step's copies (as it must before writing new
-  blocks) writes it only after the copy read it;
+  blocks) writes it only after the copy read it. A block the step does not
+  take after all (an admission refused after part of its room was made, or
+  more evicted than allocated) stays free with its copy pending; the step
+  that hands it out later records that transfer
+  (``StepOutcome.wait_transfer``, :meth:`ShardTiers._note_reused`), and its
+  runner waits for that copy too: copies run in submission order, so the
+  pool shard actor gives a step without copies of its own the ticket of
+  that batch;
 - *held* (the eviction loop and ``evict()``): the device block stays in
   flight until the copy has completed, and only then becomes free; if the
   copy fails, the block is put back where it was, cached on the device.
@@ -43,6 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from akv.core.block_pool import FREE
 from akv.core.step import StepOutcome
 
 
@@ -58,6 +66,9 @@ class TierTransfer:
         unready: Tree ids not matched until then.
         held: ``(device block, host id)`` of held demotions, put back on the
             device if the copy fails.
+        released: Device blocks demoted on demand (free at once, read by
+            these copies): while the transfer is pending, a step that hands
+            one out must wait for it.
         swap_out: The sequence whose swap-out this batch copies, if any.
     """
 
@@ -65,6 +76,7 @@ class TierTransfer:
     device_pins: list[int] = field(default_factory=list)
     unready: list[int] = field(default_factory=list)
     held: list[tuple[int, int]] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)
     swap_out: object = None
 
 
@@ -107,12 +119,33 @@ class ShardTiers:
                     pool.mark_published([dev])
                     self.unready.discard(hid)
                     self.counters.demoted_blocks -= 1
+        if t.released:
+            released = self.released
+            for b in t.released:
+                if released.get(b) == tid:
+                    del released[b]
         if t.swap_out is not None:
             self._swap_out_done(t.swap_out, ok)
         if t.device_pins:
             pool.unpin_copied(t.device_pins)
         if t.host_pins:
             host.unpin_copied(t.host_pins)
+
+    def _note_reused(self, out: StepOutcome) -> None:
+        """Record in ``out.wait_transfer`` the newest earlier transfer still reading a block ``out``'s step handed out.
+
+        A block demoted on demand is free at once; while its copy to the
+        host is pending, the step that takes it must not let its runner write
+        it first. Call once the step has allocated everything it will.
+        O(blocks demoted on demand whose copies are pending).
+        """
+        released, pool = self.released, self.pool
+        reused = [b for b in released if pool.state(b) != FREE]
+        if not reused:
+            return
+        newest = max(released.pop(b) for b in reused)
+        if newest != out.transfer:
+            out.wait_transfer = newest if out.wait_transfer is None else max(newest, out.wait_transfer)
 
     @property
     def num_pending_transfers(self) -> int:
@@ -172,6 +205,8 @@ class ShardTiers:
                 t.held += zip(moved, new)
             else:
                 pool.evict_finish(moved)
+                t.released += moved
+                self.released.update(dict.fromkeys(moved, out.transfer))
             host.pin_for_copy(new)
             host.decref(new, distinct=True)  # in flight until the copy ran
             t.host_pins += new
