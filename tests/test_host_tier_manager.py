@@ -244,3 +244,35 @@ async def test_a_block_demoted_on_demand_is_not_written_before_its_copy_ran(tiny
         assert await admit(kv, "v2", v) == BS  # v's demoted block, promoted
         assert torch.equal(await read(kv, "v2"), expected(kv, v))
         await kv.check()
+
+
+@pytest.mark.anyio
+async def test_add_sequence_returns_once_its_promotion_copies_ran(tiny_config) -> None:
+    """Regression: add_sequence returned the cached tokens while the copies promoting its host hits
+    were still pending, and gave the caller nothing to wait on: a runner reading the hits (or writing
+    a block the step demoted on demand) raced the copies. It now returns after them."""
+    async with KVCacheManager(tiny_config(num_blocks=16, host_blocks=32)) as kv:
+        for i in range(8):
+            await admit(kv, i, prompt(i))
+            await kv.free(i)
+        assert await kv.lookup(prompt(0)) == 4 * BS and (await kv.stats()).host_cached > 4  # prompt 0 is on the host
+        gate = _hold_copies(kv)
+        returned = anyio.Event()
+
+        async def add() -> None:
+            assert await kv.add_sequence("again", prompt(0)) == 4 * BS
+            returned.set()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(add)
+                for _ in range(20):
+                    await anyio.lowlevel.checkpoint()
+                assert not returned.is_set()  # its promotion copies are held
+                gate.set()
+        finally:
+            gate.set()
+        assert (await kv.stats()).promoted_blocks == 4
+        got = await read(kv, "again")  # at once, as a runner would
+        assert torch.equal(got[:, :, : 4 * BS], expected(kv, prompt(0))[:, :, : 4 * BS])
+        await kv.check()
