@@ -276,3 +276,81 @@ async def test_add_sequence_returns_once_its_promotion_copies_ran(tiny_config) -
         got = await read(kv, "again")  # at once, as a runner would
         assert torch.equal(got[:, :, : 4 * BS], expected(kv, prompt(0))[:, :, : 4 * BS])
         await kv.check()
+
+
+@pytest.mark.anyio
+async def test_a_promoted_block_freed_before_its_copy_ran_is_not_handed_out_under_it(tiny_config) -> None:
+    """Regression (found by ``akv stress --host-blocks 256 --fault slow_copies``): the device blocks a
+    promotion copies into were not pinned; a request freed before the copy ran (cancelled) left them
+    cached, an eviction with no host room dropped them, and the next admission wrote them with nothing
+    to wait for, under the late copy. They are now in flight until the copy ran."""
+    async with KVCacheManager(tiny_config(num_blocks=6, host_blocks=2)) as kv:
+        p = prompt(1, blocks=2)
+        await admit(kv, "p", p)
+        await kv.free("p")
+        assert await kv.evict(2) == 2  # both full blocks of p demoted: the host tier is full
+        await kv.wait_copies()
+        gate = _hold_copies(kv)
+        try:
+            result = await kv.step(admits=[Admit(seq_id="p2", prompt=p)])  # promotes both, copies held
+            assert result.cached_tokens["p2"] == 2 * BS
+            await kv.free("p2")  # its request is cancelled before the copies ran
+            assert (await kv.stats()).in_flight == 2
+            result = await kv.step(admits=[Admit(seq_id="c", prompt=list(range(500, 500 + 6 * BS)))])
+            assert isinstance(result.rejected["c"], PoolExhausted)  # 4 free: the 2 promoted blocks wait
+        finally:
+            gate.set()
+        await kv.wait_copies()
+        assert await admit(kv, "p3", p) == 2 * BS
+        assert torch.equal(await read(kv, "p3"), expected(kv, p))
+        await kv.check()
+
+
+@pytest.mark.anyio
+async def test_a_block_demoted_on_demand_and_freed_by_its_taker_waits_for_its_copy(tiny_config) -> None:
+    """Regression (found by ``akv stress --host-blocks 256 --fault slow_copies``): a step that demoted a
+    block on demand and took it itself was fine (its runner waits for its copies), but its request,
+    freed before the copy ran, put the block back on the free queue: the next admission wrote it with
+    nothing to wait for, and the late copy to the host took that K/V. It now stays in flight."""
+    async with KVCacheManager(tiny_config(num_blocks=4, host_blocks=8)) as kv:
+        v = [20, 21, 22, 23, 24]
+        await admit(kv, "v", v)
+        await kv.free("v")  # v's first block cached, 3 blocks free
+        gate = _hold_copies(kv)
+        try:
+            result = await kv.step(admits=[Admit(seq_id="a", prompt=list(range(30, 30 + 4 * BS)))])
+            assert result.cached_tokens["a"] == 0 and (await kv.stats()).demoted_blocks == 1  # on demand
+            await kv.free("a")  # cancelled before the copy ran
+            assert (await kv.stats()).in_flight == 1
+            result = await kv.step(admits=[Admit(seq_id="c", prompt=list(range(60, 60 + 4 * BS)))])
+            assert isinstance(result.rejected["c"], PoolExhausted)  # 3 free: v's old block waits
+        finally:
+            gate.set()
+        await kv.wait_copies()
+        assert await admit(kv, "v2", v) == BS  # promoted from the host: exactly v's K/V
+        assert torch.equal(await read(kv, "v2"), expected(kv, v))
+        await kv.check()
+
+
+@pytest.mark.anyio
+async def test_a_sequence_freed_while_its_swap_in_copies_run_leaves_its_blocks_in_flight(tiny_config) -> None:
+    """The device blocks a swap-in copies into are pinned like a promotion's: a concurrent free (the
+    request aborted while it was being resumed) must not hand them out under the pending copy."""
+    async with KVCacheManager(tiny_config(num_blocks=8, host_blocks=8)) as kv:
+        await admit(kv, "a", prompt(1, blocks=2))
+        await kv.swap_out("a")
+        gate = _hold_copies(kv)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(kv.swap_in, "a")  # returns once its copies ran
+                while (await kv.stats()).num_swapped:
+                    await anyio.lowlevel.checkpoint()
+                assert await kv.free("a")  # live again at the shard, its copies still held
+                assert (await kv.stats()).in_flight == 3
+                gate.set()
+        finally:
+            gate.set()
+        await kv.wait_copies()
+        stats = await kv.stats()
+        assert (stats.free + stats.cached, stats.in_flight, stats.host_free) == (8, 0, 8)
+        await kv.check()

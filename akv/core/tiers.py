@@ -69,6 +69,10 @@ class TierTransfer:
         released: Device blocks demoted on demand (free at once, read by
             these copies): while the transfer is pending, a step that hands
             one out must wait for it.
+        held_pins: Device blocks a sequence holds that these copies write
+            or read (promotion and swap-in destinations, blocks demoted on
+            demand and handed out again), pinned so that one freed before
+            the copies ran stays in flight instead of being reused under them.
         swap_out: The sequence whose swap-out this batch copies, if any.
     """
 
@@ -77,6 +81,7 @@ class TierTransfer:
     unready: list[int] = field(default_factory=list)
     held: list[tuple[int, int]] = field(default_factory=list)
     released: list[int] = field(default_factory=list)
+    held_pins: list[int] = field(default_factory=list)
     swap_out: object = None
 
 
@@ -128,6 +133,8 @@ class ShardTiers:
             self._swap_out_done(t.swap_out, ok)
         if t.device_pins:
             pool.unpin_copied(t.device_pins)
+        if t.held_pins:
+            pool.unpin_copied(t.held_pins)
         if t.host_pins:
             host.unpin_copied(t.host_pins)
 
@@ -136,14 +143,21 @@ class ShardTiers:
 
         A block demoted on demand is free at once; while its copy to the
         host is pending, the step that takes it must not let its runner write
-        it first. Call once the step has allocated everything it will.
+        it first, and it is pinned to that transfer (``held_pins``): freed
+        again before the copy ran (its request cancelled), it stays in flight
+        instead of going to a third owner whose runner has nothing to wait
+        for. Call once the step has allocated everything it will.
         O(blocks demoted on demand whose copies are pending).
         """
         released, pool = self.released, self.pool
         reused = [b for b in released if pool.state(b) != FREE]
         if not reused:
             return
-        newest = max(released.pop(b) for b in reused)
+        tids = [released.pop(b) for b in reused]
+        for b, tid in zip(reused, tids):
+            self._transfers[tid].held_pins.append(b)
+        pool.pin_for_copy(reused)  # freed before the copy ran: in flight, not free under it
+        newest = max(tids)
         if newest != out.transfer:
             out.wait_transfer = newest if out.wait_transfer is None else max(newest, out.wait_transfer)
 
@@ -265,6 +279,8 @@ class ShardTiers:
             t = self._transfer(out)
             host.pin_for_copy(host_hits)
             t.host_pins += host_hits
+            pool.pin_for_copy(device_ids)  # freed before the copy ran: in flight, never reused under it
+            t.held_pins += device_ids
             t.unready += device_ids
             self.unready.update(device_ids)
         host.decref(host_hits, distinct=True)
