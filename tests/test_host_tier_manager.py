@@ -354,3 +354,22 @@ async def test_a_sequence_freed_while_its_swap_in_copies_run_leaves_its_blocks_i
         stats = await kv.stats()
         assert (stats.free + stats.cached, stats.in_flight, stats.host_free) == (8, 0, 8)
         await kv.check()
+
+
+@pytest.mark.anyio
+async def test_host_block_refcounts_are_the_swapped_sequences_blocks_and_check_holds_them_to_it(tiny_config) -> None:
+    async with KVCacheManager(tiny_config(num_blocks=8, host_blocks=8)) as kv:
+        await admit(kv, "a", prompt(1, blocks=2))
+        assert kv.host_block_refcounts() == {}
+        await kv.swap_out("a")
+        refs = kv.host_block_refcounts()
+        assert len(refs) == 3 and set(refs.values()) == {1} and min(refs) >= kv.config.host_block_base
+        await kv.check()
+        state = kv._shards[0].state  # reaching in on purpose: a host reference no swapped sequence holds
+        (spare,) = state.host.allocate(1)
+        with pytest.raises(AssertionError, match="swapped-out sequences hold 3"):
+            state.check()
+        state.host.decref([spare])
+        await kv.free("a")
+        assert kv.host_block_refcounts() == {}
+        await kv.check()

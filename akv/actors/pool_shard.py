@@ -374,9 +374,21 @@ class PoolShardActor(ShardCopies, Actor):
         Returns:
             ``{block_id: refcount}`` for every block with refcount >= 1.
         """
-        pool = self.state.pool
-        out: dict[int, int] = {}
-        for b in range(pool.first_block_id, pool.first_block_id + pool.num_blocks):
-            if r := pool.refcount(b):
-                out[b] = r
-        return out
+        return _refcounts(self.state.pool)
+
+    def host_block_refcounts(self) -> dict[int, int]:
+        """The same audit call for the host tier: host id -> refcount of every host block a swapped-out sequence holds.
+
+        Host ids are tree ids (``host_base + slot``); empty without a host tier.
+        """
+        host = self.state.host
+        return {} if host is None else _refcounts(host)
+
+
+def _refcounts(pool: Any) -> dict[int, int]:
+    """Block id -> refcount of every referenced block of ``pool`` (O(num_blocks))."""
+    out: dict[int, int] = {}
+    for b in range(pool.first_block_id, pool.first_block_id + pool.num_blocks):
+        if r := pool.refcount(b):
+            out[b] = r
+    return out
