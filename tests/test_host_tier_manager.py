@@ -373,3 +373,31 @@ async def test_host_block_refcounts_are_the_swapped_sequences_blocks_and_check_h
         await kv.free("a")
         assert kv.host_block_refcounts() == {}
         await kv.check()
+
+
+@pytest.mark.anyio
+async def test_a_later_admission_of_the_step_hits_the_blocks_an_earlier_one_promoted(tiny_config) -> None:
+    """Two admissions of one step sharing a prefix on the host: the first promotes it, the second hits
+    the promoted blocks (the step's runner waits for the step's copies before reading either). Found by
+    the manager machine: the second recomputed the prefix, as promoted blocks are unmatched until their
+    copy ran, though the step that promoted them may hit them."""
+    async with KVCacheManager(tiny_config(num_blocks=16, host_blocks=16)) as kv:
+        p = prompt(1, blocks=2)
+        await admit(kv, "p", p)
+        await kv.free("p")
+        assert await kv.evict(2) == 2
+        await kv.wait_copies()
+        a, b = p[: 2 * BS] + [7], p[: 2 * BS] + [8, 9]
+        result = await kv.step(admits=[Admit(seq_id="a", prompt=a), Admit(seq_id="b", prompt=b)])
+        assert dict(result.cached_tokens) == {"a": 2 * BS, "b": 2 * BS}
+        assert (await kv.stats()).promoted_blocks == 2  # once, shared
+        await result.copies.wait()
+        qsl = result.query_start_loc.tolist()
+        for i, (sid, tokens) in enumerate((("a", a), ("b", b))):
+            values = expected(kv, tokens)[:, :, 2 * BS :]
+            slots = result.slot_mapping[qsl[i] : qsl[i + 1]].to(torch.int64)
+            kv.storage.write_all_layers(slots, values[:, 0], values[:, 1])
+            assert torch.equal(await read(kv, sid), expected(kv, tokens))
+        assert (await kv.sequence("a")).block_ids[:2] == (await kv.sequence("b")).block_ids[:2]
+        await kv.check()
+

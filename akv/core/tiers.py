@@ -247,18 +247,21 @@ class ShardTiers:
         """Whether some hit may be unusable now: a pending copy, or a snapshot save holding host blocks."""
         return bool(self.unready) or (self.host is not None and bool(self.snapshot_hold))
 
-    def _ready_hits(self, hits: list[int]) -> list[int]:
+    def _ready_hits(self, hits: list[int], out: StepOutcome | None = None) -> list[int]:
         """``hits`` up to the first block that cannot be used now (all of them when none is pending).
 
         A block whose pending copy has not completed is unusable, and so is a
         host block a snapshot save holds: promoting it would free its slot
-        while the save still reads it.
+        while the save still reads it. The exception: a block the step of
+        ``out`` promoted itself (its runner waits for the step's copies, that
+        one among them, before reading any block of the step).
         """
         if not self._hits_may_wait:
             return hits
         unready, hold, hb = self.unready, self.snapshot_hold, self.host_base
+        promoted = {d for _, d in out.promotes} if out is not None and out.promotes else ()
         for i, b in enumerate(hits):
-            if b in unready or (hb is not None and b >= hb and b in hold):
+            if (b in unready and b not in promoted) or (hb is not None and b >= hb and b in hold):
                 return hits[:i]
         return hits
 
