@@ -401,3 +401,24 @@ async def test_a_later_admission_of_the_step_hits_the_blocks_an_earlier_one_prom
         assert (await kv.sequence("a")).block_ids[:2] == (await kv.sequence("b")).block_ids[:2]
         await kv.check()
 
+
+@pytest.mark.anyio
+async def test_a_refusal_while_a_demotion_fills_the_host_tier_counts_no_stuck_block_as_evictable(tiny_config) -> None:
+    """Found by the manager machine: a chain of cached blocks, demoted deepest first into a host tier
+    with room for two of them, leaves its top block cached with a host child still being copied: it can
+    neither move (no host room) nor be dropped (it has a child) until the copy ran. The refusal counted
+    it as evictable (``requested 5 blocks, 4 free, 1 evictable``); a scheduler reading the numbers saw
+    room. Blocks above a host block whose copy is pending are not evictable now."""
+    async with KVCacheManager(tiny_config(num_blocks=5, host_blocks=2)) as kv:
+        await admit(kv, "p", prompt(1, blocks=3))
+        await kv.free("p")  # 3 cached blocks in one chain, 2 free
+        big = list(range(500, 500 + 5 * BS))
+        result = await kv.step(admits=[Admit(seq_id="q", prompt=big)])
+        err = result.rejected["q"]
+        assert isinstance(err, PoolExhausted) and (await kv.stats()).demoted_blocks == 2
+        assert err.requested_blocks > err.free_blocks + err.evictable_blocks, err
+        await result.copies.wait()
+        await kv.wait_copies()  # the host blocks are ready: the top block may move now
+        assert await admit(kv, "q", big) == 0
+        assert torch.equal(await read(kv, "q"), expected(kv, big))
+        await kv.check()
