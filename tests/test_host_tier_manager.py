@@ -387,7 +387,7 @@ async def test_a_later_admission_of_the_step_hits_the_blocks_an_earlier_one_prom
         await kv.free("p")
         assert await kv.evict(2) == 2
         await kv.wait_copies()
-        a, b = p[: 2 * BS] + [7], p[: 2 * BS] + [8, 9]
+        a, b = [*p[: 2 * BS], 7], [*p[: 2 * BS], 8, 9]
         result = await kv.step(admits=[Admit(seq_id="a", prompt=a), Admit(seq_id="b", prompt=b)])
         assert dict(result.cached_tokens) == {"a": 2 * BS, "b": 2 * BS}
         assert (await kv.stats()).promoted_blocks == 2  # once, shared
