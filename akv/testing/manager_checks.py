@@ -20,6 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant
 
 from akv.config import MODEL_SHAPES, KVCacheConfig
 from akv.core.step import Admit
+from akv.errors import PoolExhausted
 from akv.manager import KVCacheManager
 from akv.results import StepResult
 from akv.testing.prefix_model import PrefixModel, history_values
@@ -173,7 +174,7 @@ class ManagerMachineBase(RuleBasedStateMachine):
             seq = model.sequences[sid]
             tokens = [tokens] if isinstance(tokens, int) else list(tokens)
             if not plan.admits and self._check_append_room(sid, len(tokens), result.rejected.get(sid)):
-                retry.append((sid, tokens))  # no admission's hits are protected: the room is exact
+                retry.append((sid, tokens, result.rejected[sid]))  # no admission's hits are protected: room is exact
                 continue
             if sid in result.rejected:
                 self._check_rejection(sid, result.rejected[sid], len(seq.tokens) + len(tokens), seq.shard)
@@ -191,8 +192,8 @@ class ManagerMachineBase(RuleBasedStateMachine):
             self._admitted(adm, result.cached_tokens[adm.seq_id])
             starts[adm.seq_id] = result.cached_tokens[adm.seq_id]
         self._write_rows(result, starts, data)
-        for sid, tokens in retry:
-            self._retry_append(sid, tokens, data)
+        for sid, tokens, err in retry:
+            self._retry_append(sid, tokens, err, data)
 
     def _admitted(self, adm: Admit, cached: int) -> None:
         """Check one admission's hit of ``cached`` tokens against the model and record the new sequence."""
@@ -214,11 +215,33 @@ class ManagerMachineBase(RuleBasedStateMachine):
             event("transient refusal: host tier copies pending")
         return transient
 
-    def _retry_append(self, sid: Hashable, tokens: Any, data: st.DataObject) -> None:
-        """A transient refusal's proof: once the pending copies ran, the same append succeeds."""
-        self._call(self.kv.wait_copies)
-        result = self._call(self.kv.append, sid, tokens)
+    def _retry_append(self, sid: Hashable, tokens: Any, err: Exception, data: st.DataObject) -> None:
+        """A transient refusal's proof: retried once the pending copies ran, the same append succeeds."""
+        result = self.retry_until_room(lambda: self.kv.append(sid, tokens), err, f"append to {sid}")
         self._run_step(StepPlan(appends={sid: tokens}), result, data)
+
+    def retry_until_room(self, call: Any, err: Exception, what: str) -> Any:
+        """Retry ``call`` (a coroutine function) after each wait for the pending copies until it is served.
+
+        Each pass evicts what the host tier can take then (its demotions
+        are in flight until their copies ran, and the blocks above them
+        wait), so a request the model says fits may need several; every
+        refusal must show progress (more free plus evictable blocks than
+        the last), so this ends, and never claim room it lacks.
+
+        Raises:
+            AssertionError: A refusal without progress, or inconsistent numbers.
+        """
+        have = err.free_blocks + err.evictable_blocks
+        while True:
+            self._call(self.kv.wait_copies)
+            try:
+                return self._call(call)
+            except PoolExhausted as again:
+                now = again.free_blocks + again.evictable_blocks
+                assert again.requested_blocks > now > have, f"{what}: refused again without progress: {again!r}"
+                note(f"  {what} refused again while host copies ran: {again!r}")
+                have = now
 
     def _check_rejection(self, sid: Hashable, err: Exception, num_tokens: int, shard: int | None) -> None:
         note(f"  {sid} rejected: {err!r}")

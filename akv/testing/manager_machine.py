@@ -205,7 +205,7 @@ class ManagerMachine(TierRules, ManagerMachineBase):
             except (PoolExhausted, RequestTooLarge) as err:
                 k = 1 if isinstance(tokens, int) else len(tokens)
                 if self._check_append_room(sid, k, err):
-                    self._retry_append(sid, tokens, data)
+                    self._retry_append(sid, tokens, err, data)
                     return
                 self._check_rejection(sid, err, len(seq.tokens) + k, seq.shard)
                 return

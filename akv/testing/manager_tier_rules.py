@@ -98,8 +98,7 @@ class TierRules:
             have = err.free_blocks + err.evictable_blocks
             if blocks <= room:  # only transiently: its own demotions filled the host tier (see check_append_room)
                 assert err.requested_blocks == blocks > have and have < room, f"{sid}: {err!r} with room for {room}"
-                self._call(self.kv.wait_copies)
-                moved = self._call(self.kv.swap_in, sid)
+                moved = self.retry_until_room(lambda: self.kv.swap_in(sid), err, f"swap_in of {sid}")
                 event("transient refusal: host tier copies pending")
             else:
                 assert (err.requested_blocks, have) == (blocks, room), f"{sid}: {err!r} with room for {room}"

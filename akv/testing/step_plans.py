@@ -153,7 +153,8 @@ def check_append_room(
     still being copied could neither move nor be dropped. akv must then say
     so in its numbers (less free plus evictable than requested, and less than
     the model's room), and the caller must show the refusal was transient:
-    once the copies ran, the same append succeeds.
+    retried once the copies ran, with progress at every refusal, the same
+    append succeeds (:meth:`~akv.testing.manager_checks.ManagerMachineBase.retry_until_room`).
 
     Returns:
         Whether the append was refused transiently (the caller retries it).
