@@ -230,6 +230,23 @@ class ManagerQueries:
             out.update(shard.block_refcounts())
         return out
 
+    def host_block_refcounts(self) -> dict[int, int]:
+        """Host id -> refcount of every host-tier block a swapped-out sequence holds (read-only audit view).
+
+        The host tier's :meth:`block_refcounts`, with the same rules (no
+        message; take it at a quiescent point; it works after a crash).
+        Host ids are ``config.host_block_base + slot``. Each swapped-out
+        sequence holds one host block per block of its table, so every
+        refcount is 1 and there are ``CacheStats.host_swapped`` of them.
+
+        Returns:
+            ``{host_id: refcount}``; empty without a host tier. O(host blocks).
+        """
+        out: dict[int, int] = {}
+        for shard in self._shards:
+            out.update(shard.host_block_refcounts())
+        return out
+
     def shard_of(self, seq_id: Hashable) -> int:
         """Index of the shard that holds a live sequence's blocks; no message.
 

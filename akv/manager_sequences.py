@@ -58,7 +58,10 @@ class SequenceCalls:
             the last prompt token (it is always computed), so at most
             ``(len(prompt) - 1) // block_size * block_size``. After computing
             the prompt, commit ``len(prompt) - cached`` tokens (the hits are
-            already computed).
+            already computed). It returns once the step's copies have run
+            (with a host tier: host hits promoted into its blocks, cached
+            blocks demoted to make room), so its blocks may be written and
+            read at once: the call gives the caller nothing else to wait on.
 
         Raises:
             InvalidInput: ``seq_id`` or ``namespace`` is not a plain value.
@@ -68,6 +71,7 @@ class SequenceCalls:
             PoolExhausted: Transient: not enough free plus evictable blocks now
                 (for the prompt and the reservation).
             RequestTooLarge: Permanent: more blocks than the shard holds.
+            ActorCrashed: A copy of the step failed (the manager has failed).
         """
         seq_id = plain_id(seq_id, "seq_id of add_sequence()")
         namespace = plain_id(namespace, "namespace of add_sequence()", allow_none=True)
@@ -76,6 +80,7 @@ class SequenceCalls:
             result = await self.step(admits=[adm], want_metadata=False)
             if seq_id in result.rejected:
                 raise result.rejected[seq_id]
+            await result.copies.wait()  # no-op without copies (no host tier: admissions copy nothing)
             span.set_attribute("akv.cached_tokens", result.cached_tokens[seq_id])
             return result.cached_tokens[seq_id]
 

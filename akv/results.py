@@ -86,7 +86,12 @@ class StepResult:
         rejected: Id -> :class:`~akv.errors.PoolExhausted` or
             :class:`~akv.errors.RequestTooLarge` for appends and admissions not
             applied (their state is unchanged).
-        copies: The step's copy-on-write copies; wait on them first.
+        copies: The step's copies (copy-on-write; with a host tier also
+            demotions, promotions and swaps); wait on them before writing or
+            reading the step's blocks. With a host tier a step that copies
+            nothing itself may carry an earlier step's batch: a block it
+            handed out is still being copied to the host (see
+            :mod:`akv.core.tiers`).
         freed: Ids that were live and are now freed.
         evicted_blocks: Blocks evicted on demand during the step.
     """

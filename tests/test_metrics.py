@@ -321,10 +321,11 @@ async def test_host_tier_counters_and_gauges_agree_with_stats(tiny_config) -> No
     """Demotions, promotions, host drops and swaps show in the scrape exactly as in stats()."""
     async with KVCacheManager(tiny_config(num_blocks=16, host_blocks=8)) as kv:
         for i in range(6):  # 3 full blocks each, all different: the device fills, the host takes the rest
-            await kv.step(admits=[Admit(seq_id=i, prompt=list(range(100 * i, 100 * i + 13)), prefill_done=True)])
+            prompt = list(range(100 * i, 100 * i + 13))
+            await (await kv.step(admits=[Admit(seq_id=i, prompt=prompt, prefill_done=True)])).copies.wait()
             await kv.free(i)
-        await kv.wait_copies()  # a demoted block is matched once its copy has run
-        await kv.step(admits=[Admit(seq_id="again", prompt=list(range(13)), prefill_done=True)])  # hits the host
+        result = await kv.step(admits=[Admit(seq_id="again", prompt=list(range(13)), prefill_done=True)])  # host hit
+        await result.copies.wait()  # as a runner does (each step above too): else blocks are still in flight
         await kv.swap_out("again")
         await kv.swap_in("again")
         await kv.wait_copies()

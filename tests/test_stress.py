@@ -99,6 +99,62 @@ async def test_sharded_runs_with_each_policy_are_clean(shards: int, policy: str)
     assert report.ok, (report.failures, report.errors, report.samples)
 
 
+HOST_KEYS = {
+    "host_blocks", "host_free", "host_cached", "host_swapped", "host_in_use", "demoted_blocks", "promoted_blocks",
+    "host_evicted_blocks", "host_hit_tokens", "device_hit_tokens", "swapped_out", "swapped_in", "swap_outs",
+    "swap_ins", "swap_refused", "swapped_frees", "cancelled_swaps", "continuations",
+}  # fmt: skip
+
+
+@pytest.mark.anyio
+async def test_short_host_tier_run_demotes_promotes_swaps_and_is_clean() -> None:
+    report = await run_stress(_count_run(sequences=24, operations=160, host_blocks=128, audits=3))
+    h = report.host_tier
+    assert set(h) == HOST_KEYS and h["host_blocks"] == 128
+    assert h["demoted_blocks"] > 0 and h["promoted_blocks"] > 0 and h["host_hit_tokens"] > 0
+    assert h["host_evicted_blocks"] > 0 and h["continuations"] > 0  # the host tier filled and dropped its own
+    assert h["swap_outs"] == h["swapped_out"] > 0 and h["swap_ins"] == h["swapped_in"] > 0
+    assert h["swapped_frees"] > 0 and h["cancelled_swaps"] > 0
+    assert h["swapped_out"] == h["swapped_in"] + h["swapped_frees"]  # every swap-out came back in or was freed
+    assert h["host_swapped"] == 0 and h["host_free"] + h["host_cached"] == 128
+    assert report.programs["swap"] > 0 and report.calls["swap_out"] > 0 and report.calls["swap_in"] > 0
+    assert report.audits == 4 and report.audit_violations == 0, report.errors
+    assert report.leaked_blocks == 0 and report.leaked_host_blocks == 0 and report.leaked_sequences == 0
+    assert report.corrupted_reads == 0 and report.verified_tokens > 0, report.samples
+    assert report.ok, (report.failures, report.errors, report.samples)
+    assert report.as_json()["host_tier"] == h
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("shards", "policy"), [(2, "lru"), (3, "lfu")])
+async def test_sharded_host_tier_runs_with_slow_copies_are_clean(shards: int, policy: str) -> None:
+    """Slow copies (every batch sleeps 1-5 ms) widen every window in which a tier copy is pending."""
+    report = await run_stress(
+        _count_run(
+            seed=shards, shards=shards, eviction_policy=policy, host_blocks=96, fault="slow_copies",
+            fault_after_programs=1,
+        )
+    )  # fmt: skip
+    fi = report.fault_injection
+    assert fi is not None and fi.injected and not fi.fatal
+    assert report.host_tier["demoted_blocks"] > 0 and report.host_tier["swapped_out"] > 0
+    assert report.audit_violations == 0 and report.leaked_host_blocks == 0, report.errors
+    assert report.ok, (report.failures, report.errors, report.samples)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("fault", ["failing_copies", "crash"])
+async def test_fatal_fault_with_a_host_tier_reports_leaks_on_both_tiers(fault: str) -> None:
+    report = await run_stress(
+        _count_run(seed=3, sequences=16, operations=400, host_blocks=64, fault=fault, fault_after_programs=40)
+    )
+    fi = report.fault_injection
+    assert fi is not None and fi.fatal and fi.injected and fi.tasks_failed_fast == fi.tasks == 16
+    assert fi.aexit_raised and fi.fresh_manager_ok
+    assert report.leaked_blocks == 0 and report.leaked_host_blocks == 0 and report.leaked_sequences == 0
+    assert report.ok, (report.failures, report.errors)
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize(
     "anyio_backend", [pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"), pytest.param("trio", id="trio")]
@@ -176,6 +232,20 @@ async def test_inject_crash_after_s_is_the_crash_fault() -> None:
     fi = report.fault_injection
     assert fi is not None and fi.kind == "crash" and fi.injected and fi.tasks_failed_fast == fi.tasks
     assert report.leaked_blocks == 0 and report.ok, report.failures
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+@pytest.mark.parametrize("fault", [None, "slow_copies"])
+async def test_long_host_tier_run_256_sequences(fault: str | None) -> None:
+    """``akv stress --sequences 256 --duration-s 300 --host-blocks 2048``, clean and with slow copies."""
+    options = StressOptions(
+        seed=1, sequences=256, duration_s=300.0, host_blocks=2048, fault=fault, fault_after_s=1.0, audits=5
+    )
+    report = await run_stress(options)
+    assert report.host_tier["promoted_blocks"] > 0 and report.host_tier["swapped_out"] > 0
+    assert report.leaked_blocks == 0 and report.leaked_host_blocks == 0 and report.leaked_sequences == 0
+    assert report.ok, (report.failures, report.errors[:5])
 
 
 @pytest.mark.slow
@@ -287,6 +357,17 @@ def test_register_adds_the_stress_subcommand() -> None:
     assert (options.seed, options.sequences, options.backend, options.progress) == (7, 8, "uvloop", False)
     assert options.duration_s == 20.0 and options.block_size == 16 and options.inject_crash_after_s is None
     assert (options.operations, options.shards, options.eviction_policy, options.fault) == (None, 1, "slru", None)
+    assert (options.host_blocks, options.host_gib, options.host_tier) == (0, None, False)
+    tier = options_from_args(parser.parse_args(["stress", "--host-gib", "0.001"]))
+    assert (tier.host_gib, tier.host_tier) == (0.001, True)
+
+
+@pytest.mark.anyio
+async def test_host_gib_sizes_the_tier_in_bytes() -> None:
+    report = await run_stress(_count_run(seed=7, sequences=8, operations=24, host_gib=0.001))
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # tiny model: layers x K/V x tokens x heads x head_dim x float32
+    assert report.host_tier["host_blocks"] == int(0.001 * 2**30) // block_bytes
+    assert report.ok, (report.failures, report.errors)
 
 
 @pytest.mark.parametrize(
@@ -298,7 +379,8 @@ def test_register_adds_the_stress_subcommand() -> None:
         ["--eviction-policy", "fifo"], ["--fault-after-programs", "0"], ["--inject-crash-after-s", "-0.5"],
         ["--audits", "-1"], ["--log-level", "loud"], ["--seed", "-1"], ["--log-json-level", "loud"],
         ["--json", "."], ["--log-json", "."], ["--json", "/nonexistent-akv-dir/r.json"],
-        ["--log-json", "/nonexistent-akv-dir/x.jsonl"],
+        ["--log-json", "/nonexistent-akv-dir/x.jsonl"], ["--host-blocks", "-1"], ["--host-gib", "0"],
+        ["--host-gib", "nan"],
     ],
 )  # fmt: skip
 def test_out_of_range_options_exit_2(argv: list[str], capsys) -> None:
@@ -322,6 +404,8 @@ def test_out_of_range_options_exit_2(argv: list[str], capsys) -> None:
         (["--num-blocks", "8"], "needs 21 blocks"),
         (["--shards", "3", "--num-blocks", "62"], "needs 21 blocks"),
         (["--block-size", "1", "--num-blocks", "200"], "needs 201 blocks"),
+        (["--host-blocks", "64", "--host-gib", "0.5"], "not both"),
+        (["--shards", "4", "--host-blocks", "3"], "cannot be split over 4 shards"),
     ],
 )
 def test_inconsistent_options_exit_2(argv: list[str], says: str, capsys) -> None:

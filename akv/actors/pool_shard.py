@@ -285,6 +285,8 @@ class PoolShardActor(ShardCopies, Actor):
             allocated = self.state.counters.blocks_allocated
             outcome: StepOutcome = self.state.step(msg.request)
             ticket = self._submit_copies(outcome) if outcome.copies or outcome.transfer is not None else None
+            if ticket is None and outcome.wait_transfer is not None:
+                ticket = self._earlier_ticket(outcome)
             if self.events is not None:
                 self.sink.emit(self.events.step_events(outcome))
             if span.is_recording():
@@ -376,9 +378,21 @@ class PoolShardActor(ShardCopies, Actor):
         Returns:
             ``{block_id: refcount}`` for every block with refcount >= 1.
         """
-        pool = self.state.pool
-        out: dict[int, int] = {}
-        for b in range(pool.first_block_id, pool.first_block_id + pool.num_blocks):
-            if r := pool.refcount(b):
-                out[b] = r
-        return out
+        return _refcounts(self.state.pool)
+
+    def host_block_refcounts(self) -> dict[int, int]:
+        """The same audit call for the host tier: host id -> refcount of every host block a swapped-out sequence holds.
+
+        Host ids are tree ids (``host_base + slot``); empty without a host tier.
+        """
+        host = self.state.host
+        return {} if host is None else _refcounts(host)
+
+
+def _refcounts(pool: Any) -> dict[int, int]:
+    """Block id -> refcount of every referenced block of ``pool`` (O(num_blocks))."""
+    out: dict[int, int] = {}
+    for b in range(pool.first_block_id, pool.first_block_id + pool.num_blocks):
+        if r := pool.refcount(b):
+            out[b] = r
+    return out

@@ -96,6 +96,21 @@ class ShardCopies:
             self.log.debug("tier.copy", to_host_blocks=to_host, to_device_blocks=to_device)
         return ticket
 
+    def _earlier_ticket(self, outcome: StepOutcome) -> Any:
+        """The ticket a step without copies of its own must wait on: the batch of ``outcome.wait_transfer``.
+
+        That step handed out a block an earlier step demoted on demand (free
+        at once) whose copy to the host may still be pending
+        (:meth:`~akv.core.tiers.ShardTiers._note_reused`); its runner must
+        not write the block before that copy read it. None once that batch
+        was settled (it ran).
+        """
+        tid = outcome.wait_transfer
+        for ticket, _, transfer in self._pinned:
+            if transfer == tid:
+                return ticket
+        return None
+
     def _copy_done(self, ticket: Any) -> None:
         """Done callback of a copy batch: wake the tasks waiting for room, if any.
 

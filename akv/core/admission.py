@@ -124,8 +124,8 @@ class ShardAdmission:
         for i, adm in enumerate(admits):
             length = len(adm.prompt)
             hits = matches.get(i, [])
-            if out.promoted and hits:  # an earlier admission of the step may have promoted some of them
-                hits = self._rematch(i, adm, protected)
+            if out.promotes and hits:  # an earlier admission of the step may have promoted some of them
+                hits = self._rematch(i, adm, protected, out)
             if published_here and len(hits) < (length - 1) // bs:
                 hits = self._match_more(adm, hits, pending, out)
             total = -(-length // bs)
@@ -160,13 +160,17 @@ class ShardAdmission:
         bs = self.block_size
         rest = adm.prompt[len(hits) * bs : (len(adm.prompt) - 1) // bs * bs]
         more = self.tree.match(self.namespace_key(adm.namespace), rest, hits[-1] if hits else None)
-        return self._ready_hits(hits + more) if more else hits
+        return self._ready_hits(hits + more, out) if more else hits
 
-    def _rematch(self, i: int, adm, protected: PendingHits) -> list[int]:
-        """Admission ``i``'s hits matched again (promotions moved host blocks to device ids), now protected."""
+    def _rematch(self, i: int, adm, protected: PendingHits, out: StepOutcome) -> list[int]:
+        """Admission ``i``'s hits matched again (promotions moved host blocks to device ids), now protected.
+
+        The blocks an earlier admission of the step promoted are hits too:
+        unready until the step's copies ran, which the step's runner waits for.
+        """
         bs = self.block_size
         hits = self.tree.match(self.namespace_key(adm.namespace), adm.prompt[: (len(adm.prompt) - 1) // bs * bs])
-        hits = self._ready_hits(hits)
+        hits = self._ready_hits(hits, out)
         protected.discard(i)
         protected.add(i, hits)
         return hits

@@ -220,6 +220,30 @@ class ShardChecks:
             if self.pool.refcount(b) != r:
                 raise AssertionError(f"block {b}: refcount {self.pool.refcount(b)} but {r} block-table references")
         self._check_tree_ids()
+        self._check_swapped()
+
+    def _check_swapped(self) -> None:
+        """The host tier's references are exactly the swapped-out sequences' host blocks, one each."""
+        host = self.host
+        if host is None:
+            if self.swapped:
+                raise AssertionError(f"{len(self.swapped)} sequences swapped out without a host tier")
+            return
+        held = [h for rec in self.swapped.values() for h in rec.host_ids]
+        if len(set(held)) != len(held):
+            raise AssertionError("a host block is held by two swapped-out sequences, or twice by one")
+        for seq_id, rec in self.swapped.items():
+            if seq_id in self.sequences:
+                raise AssertionError(f"sequence {seq_id!r} is both live and swapped out")
+            if len(rec.host_ids) != -(-len(rec.tokens) // self.block_size):
+                raise AssertionError(
+                    f"swapped-out {seq_id!r}: {len(rec.host_ids)} host blocks for {len(rec.tokens)} tokens"
+                )
+            for h in rec.host_ids:
+                if host.refcount(h) != 1:
+                    raise AssertionError(f"host block {h} of swapped-out {seq_id!r} has refcount {host.refcount(h)}")
+        if host.total_refs != len(held):
+            raise AssertionError(f"host refcounts total {host.total_refs} but swapped-out sequences hold {len(held)}")
 
     def _check_tree_ids(self) -> None:
         """The tree holds exactly the published blocks of both tiers; device blocks are ancestor-closed."""

@@ -100,7 +100,12 @@ class ShardRoom:
         All cached blocks but those above a published block that only a
         pending copy still holds: the tree evicts only leaves, so they wait
         for the copy. (A referenced block's ancestors are referenced too: the
-        same block table holds them.) Walks the tree only while such a
+        same block table holds them.) With a host tier, likewise those above
+        a host block whose demotion copy is pending: that block can be
+        neither dropped nor promoted until the copy ran, so the blocks above
+        it can leave the device only by a demotion, which needs host room
+        that may not be there (counted out either way: a refusal never
+        claims room it could not make). Walks the tree only while such a
         pinned block exists; O(pins + their depth).
 
         Returns:
@@ -108,11 +113,14 @@ class ShardRoom:
         """
         pool = self.pool
         pinned = pool.pinned_published()
+        hb = self.host_base
+        if hb is not None and self.unready:
+            pinned += [b for b in self.unready if b >= hb]
         if not pinned:
             return pool.num_cached
         tree = self.tree
         above = {a: None for b in pinned for a in tree.path(b)[:-1]}
-        return pool.num_cached - sum(1 for b in above if pool.state(b) == CACHED)
+        return pool.num_cached - sum(1 for b in above if pool.owns(b) and pool.state(b) == CACHED)  # device ones
 
     def _room_for_earmarks(self, num_blocks: int, out: StepOutcome) -> None:
         """Evict until ``num_blocks`` unreserved free blocks exist (:meth:`fork_room` found them); record it in ``out``."""

@@ -141,6 +141,8 @@ class ShardState(
         #: Tree ids whose pending copy has not completed: never matched.
         self.unready: set[int] = set()
         self._transfers: dict[int, TierTransfer] = {}
+        #: Device blocks demoted on demand whose copy to the host is pending -> its transfer id.
+        self.released: dict[int, int] = {}
         self._next_transfer = 1
         #: Sequences swapped out to the host tier (:mod:`akv.core.swap`), by id.
         self.swapped: dict[Hashable, SwappedSequence] = {}
@@ -268,6 +270,8 @@ class ShardState(
         if req.admits:
             self._admit(req.admits, matches, protected, out, sched_ids, sched)
         out.seq_ids = decoded[0] + sched_ids if decoded is not None else sched_ids
+        if self.released:
+            self._note_reused(out)
         if req.want_metadata:
             self._fill_metadata(out, decoded, sched)
         return out

@@ -166,6 +166,12 @@ class StepOutcome:
             with the promotions.
         transfer: The shard's :class:`~akv.core.tiers.TierTransfer` id that
             waits for those copies (None: nothing waits; metadata mode).
+        wait_transfer: The newest *earlier* transfer whose pending copy
+            still reads a block this step handed out (a block an earlier
+            step demoted on demand and did not take), or None: the runner
+            must wait for that copy too before writing (the pool shard
+            actor gives a step without copies of its own that batch's
+            ticket; see :mod:`akv.core.tiers`).
     """
 
     seq_ids: list = field(default_factory=list)
@@ -188,6 +194,7 @@ class StepOutcome:
     swap_outs: list = field(default_factory=list)
     swap_ins: list = field(default_factory=list)
     transfer: int | None = None
+    wait_transfer: int | None = None
 
     @property
     def demotes(self) -> list[tuple[int, int]]:

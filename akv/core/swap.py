@@ -168,6 +168,8 @@ class ShardSwaps:
         if err is not None:
             raise err
         blocks = self.pool.allocate(n)
+        if self.released:
+            self._note_reused(out)  # its own copies run after that batch: waiting for them is enough
         seq = Sequence(seq_id, rec.namespace, rec.num_prompt_tokens, self.tables.new_row())
         seq.block_ids.extend(blocks)
         seq.num_cached_tokens = rec.num_cached_tokens
@@ -185,7 +187,10 @@ class ShardSwaps:
         host = self.host
         if not self.sync_copies:
             host.pin_for_copy(rec.host_ids)
-            self._transfer(out).host_pins += rec.host_ids
+            self.pool.pin_for_copy(blocks)  # freed before the copy ran: in flight, never reused under it
+            tr = self._transfer(out)
+            tr.host_pins += rec.host_ids
+            tr.held_pins += blocks
         host.decref(rec.host_ids, distinct=True)
         out.swap_ins += zip(rec.host_ids, blocks)
         del self.swapped[seq_id]

@@ -16,7 +16,14 @@ by dropping its own leaves in its policy order. Blocks that cannot move
 - *on demand* (a step needs the device block now): the device block is free
   at once and the step's copy batch copies it out before anything else, so
   a runner that waits for the step's copies (as it must before writing new
-  blocks) writes it only after the copy read it;
+  blocks) writes it only after the copy read it. A block the step does not
+  take after all (an admission refused after part of its room was made, or
+  more evicted than allocated) stays free with its copy pending; the step
+  that hands it out later records that transfer
+  (``StepOutcome.wait_transfer``, :meth:`ShardTiers._note_reused`), and its
+  runner waits for that copy too: copies run in submission order, so the
+  pool shard actor gives a step without copies of its own the ticket of
+  that batch;
 - *held* (the eviction loop and ``evict()``): the device block stays in
   flight until the copy has completed, and only then becomes free; if the
   copy fails, the block is put back where it was, cached on the device.
@@ -43,6 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from akv.core.block_pool import FREE
 from akv.core.step import StepOutcome
 
 
@@ -58,6 +66,13 @@ class TierTransfer:
         unready: Tree ids not matched until then.
         held: ``(device block, host id)`` of held demotions, put back on the
             device if the copy fails.
+        released: Device blocks demoted on demand (free at once, read by
+            these copies): while the transfer is pending, a step that hands
+            one out must wait for it.
+        held_pins: Device blocks a sequence holds that these copies write
+            or read (promotion and swap-in destinations, blocks demoted on
+            demand and handed out again), pinned so that one freed before
+            the copies ran stays in flight instead of being reused under them.
         swap_out: The sequence whose swap-out this batch copies, if any.
     """
 
@@ -65,6 +80,8 @@ class TierTransfer:
     device_pins: list[int] = field(default_factory=list)
     unready: list[int] = field(default_factory=list)
     held: list[tuple[int, int]] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)
+    held_pins: list[int] = field(default_factory=list)
     swap_out: object = None
 
 
@@ -128,13 +145,43 @@ class ShardTiers:
                 self.unready.discard(hid)
                 self.counters.demoted_blocks -= 1
                 put_back.append((hid, dev))
+        if t.released:
+            released = self.released
+            for b in t.released:
+                if released.get(b) == tid:
+                    del released[b]
         if t.swap_out is not None:
             self._swap_out_done(t.swap_out, ok)
         if t.device_pins:
             pool.unpin_copied(t.device_pins)
+        if t.held_pins:
+            pool.unpin_copied(t.held_pins)
         if t.host_pins:
             host.unpin_copied(t.host_pins)
         return put_back, dropped
+
+    def _note_reused(self, out: StepOutcome) -> None:
+        """Record in ``out.wait_transfer`` the newest earlier transfer still reading a block ``out``'s step handed out.
+
+        A block demoted on demand is free at once; while its copy to the
+        host is pending, the step that takes it must not let its runner write
+        it first, and it is pinned to that transfer (``held_pins``): freed
+        again before the copy ran (its request cancelled), it stays in flight
+        instead of going to a third owner whose runner has nothing to wait
+        for. Call once the step has allocated everything it will.
+        O(blocks demoted on demand whose copies are pending).
+        """
+        released, pool = self.released, self.pool
+        reused = [b for b in released if pool.state(b) != FREE]
+        if not reused:
+            return
+        tids = [released.pop(b) for b in reused]
+        for b, tid in zip(reused, tids):
+            self._transfers[tid].held_pins.append(b)
+        pool.pin_for_copy(reused)  # freed before the copy ran: in flight, not free under it
+        newest = max(tids)
+        if newest != out.transfer:
+            out.wait_transfer = newest if out.wait_transfer is None else max(newest, out.wait_transfer)
 
     @property
     def num_pending_transfers(self) -> int:
@@ -216,6 +263,8 @@ class ShardTiers:
                 t.held += zip(moved, new)
             else:
                 pool.evict_finish(moved)
+                t.released += moved
+                self.released.update(dict.fromkeys(moved, out.transfer))
             host.pin_for_copy(new)
             host.decref(new, distinct=True)  # in flight until the copy ran
             t.host_pins += new
@@ -243,18 +292,21 @@ class ShardTiers:
         """Whether some hit may be unusable now: a pending copy, or a snapshot save holding host blocks."""
         return bool(self.unready) or (self.host is not None and bool(self.snapshot_hold))
 
-    def _ready_hits(self, hits: list[int]) -> list[int]:
+    def _ready_hits(self, hits: list[int], out: StepOutcome | None = None) -> list[int]:
         """``hits`` up to the first block that cannot be used now (all of them when none is pending).
 
         A block whose pending copy has not completed is unusable, and so is a
         host block a snapshot save holds: promoting it would free its slot
-        while the save still reads it.
+        while the save still reads it. The exception: a block the step of
+        ``out`` promoted itself (its runner waits for the step's copies, that
+        one among them, before reading any block of the step).
         """
         if not self._hits_may_wait:
             return hits
         unready, hold, hb = self.unready, self.snapshot_hold, self.host_base
+        promoted = {d for _, d in out.promotes} if out is not None and out.promotes else ()
         for i, b in enumerate(hits):
-            if b in unready or (hb is not None and b >= hb and b in hold):
+            if (b in unready and b not in promoted) or (hb is not None and b >= hb and b in hold):
                 return hits[:i]
         return hits
 
@@ -275,6 +327,8 @@ class ShardTiers:
             t = self._transfer(out)
             host.pin_for_copy(host_hits)
             t.host_pins += host_hits
+            pool.pin_for_copy(device_ids)  # freed before the copy ran: in flight, never reused under it
+            t.held_pins += device_ids
             t.unready += device_ids
             self.unready.update(device_ids)
         host.decref(host_hits, distinct=True)

@@ -92,6 +92,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="turn cache events on and check them with a subscriber (consecutive numbers, removals of stored keys)",
     )
     parser.add_argument(
+        "--host-blocks",
+        type=int_range(0, 10_000_000),
+        default=0,
+        metavar="N",
+        help="host-memory tier of N blocks: demotion, promotion and swap preemption, every read verified "
+        "(default 0: none)",
+    )
+    parser.add_argument(
+        "--host-gib",
+        type=float_range(0.0, 1024.0, min_open=True),
+        default=None,
+        metavar="X",
+        help="host-memory tier of X GiB instead of --host-blocks",
+    )
+    parser.add_argument(
         "--inject-crash-after-s",
         type=float_range(0.0, 86_400.0),
         default=None,
@@ -168,6 +183,8 @@ def options_from_args(args: argparse.Namespace) -> StressOptions:
         fault_after_s=1.0 if args.fault_after_s is None else args.fault_after_s,
         fault_after_programs=args.fault_after_programs,
         events=args.events,
+        host_blocks=args.host_blocks,
+        host_gib=args.host_gib,
     )
 
 

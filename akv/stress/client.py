@@ -1,6 +1,6 @@
 """One stress task's handle on the manager: timed calls, K/V writes, reads checked against the oracle.
 
-A :class:`Client` keeps a :class:`SeqModel` per sequence it owns (token
+A :class:`Client` keeps a :class:`~akv.stress.seq_model.SeqModel` per sequence it owns (token
 history, rolling hashes, committed count) and drives the manager the way a
 model runner would: admit, write the prefill's K/V through the slot mapping,
 commit; append, wait for copy-on-write copies, write, commit; fork; free. It
@@ -29,9 +29,11 @@ from akv.core.step import Admit
 from akv.errors import PoolExhausted
 from akv.manager import KVCacheManager
 from akv.stress.audit import PublishRecord
+from akv.stress.client_swaps import ClientSwaps
 from akv.stress.gate import Gate
 from akv.stress.metrics import Metrics
 from akv.stress.oracle import KVOracle, extend_hashes
+from akv.stress.seq_model import ClientReads, SeqModel
 
 _call_tokens = itertools.count()
 
@@ -40,70 +42,9 @@ class GiveUp(Exception):
     """A program could not get blocks after its retries; it frees what it holds and ends."""
 
 
-class SeqModel:
-    """What a task knows about one of its sequences.
-
-    Attributes:
-        seq_id: The sequence id.
-        tokens: Token history (prompt plus appended tokens).
-        hashes: Rolling hash of each token's history (:mod:`akv.stress.oracle`).
-        committed: Leading tokens whose K/V is known good: written by this
-            task and committed, or served from the prefix cache.
-    """
-
-    __slots__ = ("_chunks", "committed", "hashes", "namespace", "recorded_blocks", "seq_id", "tokens")
-
-    def __init__(
-        self,
-        seq_id: Hashable,
-        tokens: list[int],
-        hashes: list[int],
-        committed: int = 0,
-        *,
-        namespace: Hashable = None,
-        recorded_blocks: int = 0,
-    ) -> None:
-        self.seq_id = seq_id
-        self.tokens = tokens
-        self.hashes = hashes
-        self.committed = committed
-        #: Prefix-cache namespace (tenant) of the sequence.
-        self.namespace = namespace
-        #: Leading full blocks already in the :class:`~akv.stress.audit.PublishRecord`.
-        self.recorded_blocks = recorded_blocks
-        # Expected K/V of the leading positions, (L, 2, n_i, H, D) chunks in order; computed once per token.
-        self._chunks: list[torch.Tensor] = []
-
-    def fork(self, child_id: Hashable) -> SeqModel:
-        """The model of a child forked from this sequence now."""
-        child = SeqModel(
-            child_id,
-            list(self.tokens),
-            list(self.hashes),
-            self.committed,
-            namespace=self.namespace,
-            recorded_blocks=self.recorded_blocks,
-        )
-        child._chunks = list(self._chunks)  # tensors are never modified in place: sharing is safe
-        return child
-
-    def extend(self, tokens: list[int]) -> None:
-        """Record appended tokens (not yet committed)."""
-        self.tokens.extend(tokens)
-        extend_hashes(self.hashes, tokens)
-
-    def expected(self, oracle: KVOracle, start: int, stop: int) -> torch.Tensor:
-        """Expected K/V of positions ``[start, stop)``: ``(L, 2, stop - start, H, D)``, K then V."""
-        have = sum(c.shape[2] for c in self._chunks)
-        if have < stop:
-            self._chunks.append(oracle.values(self.hashes[have:stop]))
-        if len(self._chunks) > 1:
-            self._chunks = [torch.cat(self._chunks, dim=2)]
-        return self._chunks[0][:, :, start:stop]
-
-
-class Client:
-    """A task's access to the shared manager.
+class Client(ClientReads, ClientSwaps):
+    """A task's access to the shared manager (reads: :class:`~akv.stress.seq_model.ClientReads`; swap calls:
+    :class:`~akv.stress.client_swaps.ClientSwaps`).
 
     Args:
         kv: The manager (entered; storage must be ``"tensors"``).
@@ -155,7 +96,16 @@ class Client:
         self.freed_when_cancelled: set[Hashable] = set()
         #: Ids that may be live in the manager (cleanup frees them all).
         self.owned: set[Hashable] = set()
+        #: Swapped-out id -> host blocks it holds (see :class:`~akv.stress.client_swaps.ClientSwaps`).
+        self.swapped: dict[Hashable, int] = {}
+        #: ``(namespace, token history)`` of this task's finished chats, newest last (continued by later prompts).
+        self.conversations: list[tuple[Hashable, list[int]]] = []
         self._ids = itertools.count()
+
+    @property
+    def host_tier(self) -> bool:
+        """Whether the manager has a host-memory tier (swaps and continuations are then part of the programs)."""
+        return self.kv.config.num_host_blocks > 0
 
     def expired(self) -> bool:
         """Whether the run's deadline has passed (programs then skip their remaining rounds)."""
@@ -221,7 +171,9 @@ class Client:
         self.kv.storage.write_all_layers(slots, expected[:, 0], expected[:, 1])
 
     # ---------------------------------------------------------- operations
-    async def admit(self, prompt: list[int], *, commit: bool = True, write_fraction: float = 1.0) -> SeqModel:
+    async def admit(
+        self, prompt: list[int], *, commit: bool = True, write_fraction: float = 1.0, namespace: Hashable = ...
+    ) -> SeqModel:
         """Add a sequence, write its prefill's K/V (the non-cached tokens) and commit it.
 
         Half of the admissions go through ``step(admits=...)`` and its slot
@@ -233,27 +185,32 @@ class Client:
             commit: Commit the prefill (``False``: an abort before commit).
             write_fraction: Fraction of the prefill tokens actually written
                 (an aborted prefill may stop early).
+            namespace: The tenant (default: one at random).
 
         Raises:
             GiveUp: The pool stayed exhausted.
         """
         seq_id = self.new_id("s")
         self.owned.add(seq_id)
-        ns = self.rng.choice(self.namespaces)
+        ns = self.rng.choice(self.namespaces)  # drawn either way: the same draws as without a namespace
+        if namespace is not ...:
+            ns = namespace
         seq = SeqModel(seq_id, list(prompt), [], namespace=ns)
         extend_hashes(seq.hashes, prompt)
         arr = np.asarray(prompt, dtype=np.int32)
         if self.rng.random() < 0.5:
 
-            async def attempt() -> tuple[int, torch.Tensor]:
+            async def attempt() -> tuple[int, torch.Tensor, Any]:
                 admit = Admit(seq_id=seq_id, prompt=arr, namespace=ns)
                 result = await self.call("add", self.kv.step, admits=[admit])
                 if seq_id in result.rejected:
                     raise result.rejected[seq_id]
-                return result.cached_tokens[seq_id], result.slot_mapping
+                return result.cached_tokens[seq_id], result.slot_mapping, result.copies
 
-            cached, slots = await self.retrying("add", attempt)
-        else:
+            cached, slots, copies = await self.retrying("add", attempt)
+            if copies.tickets:  # host tier: promotions into its blocks, demotions for its room
+                await self.call("copy_wait", copies.wait)
+        else:  # add_sequence returns once its copies ran
             cached = await self.retrying(
                 "add", lambda: self.call("add_sequence", self.kv.add_sequence, seq_id, arr, namespace=ns)
             )
@@ -315,6 +272,10 @@ class Client:
         self.write(seq, result.slot_mapping, len(seq.tokens) - len(tokens), len(seq.tokens))
         await self.commit(seq, len(seq.tokens))
 
+    def remember(self, seq: SeqModel) -> None:
+        """Keep a finished chat's namespace and history for a later prompt to continue (the last four)."""
+        self.conversations = [*self.conversations[-3:], (seq.namespace, list(seq.tokens))]
+
     async def fork(self, parent: SeqModel, n: int) -> list[SeqModel]:
         """Fork ``parent`` into ``n`` children (one step) and return their models."""
         children = [parent.fork(self.new_id("f")) for _ in range(n)]
@@ -326,6 +287,8 @@ class Client:
         """Finish a sequence; it must have been live."""
         was_live = await self.call("free", self.kv.free, seq.seq_id)
         self.owned.discard(seq.seq_id)
+        if self.swapped.pop(seq.seq_id, None) is not None:
+            self.metrics.swapped_frees += 1
         if not was_live:
             self.unexpected("free_of_live_sequence_returned_false", seq_id=seq.seq_id)
 
@@ -334,6 +297,9 @@ class Client:
         ids = [s.seq_id for s in seqs]
         result = await self.call("free_many", self.kv.step, frees=ids, want_metadata=False)
         self.owned.difference_update(ids)
+        for seq_id in ids:
+            if self.swapped.pop(seq_id, None) is not None:
+                self.metrics.swapped_frees += 1
         if set(result.freed) != set(ids):
             self.unexpected("multi_free_missed", seq_ids=ids, freed=result.freed)
 
@@ -364,6 +330,8 @@ class Client:
                 self.freed_when_cancelled.add(seq_id)
                 if await self.kv.free(seq_id):
                     self.metrics.frees_when_cancelled += 1
+                if self.swapped.pop(seq_id, None) is not None:
+                    self.metrics.swapped_frees += 1
         finally:
             self.gate.leave()
 
@@ -378,68 +346,6 @@ class Client:
                 if was_live and seq_id in self.freed_when_cancelled:
                     self.unexpected("free_in_cancelled_task_not_applied", seq_id=seq_id)
                 self.owned.discard(seq_id)
+                if self.swapped.pop(seq_id, None) is not None:
+                    self.metrics.swapped_frees += 1
             self.freed_when_cancelled.clear()
-
-    # ---------------------------------------------------------- verifying
-    async def verify(self, seq: SeqModel) -> None:
-        """Read the sequence's committed K/V back through its block table and compare with the oracle.
-
-        Every mismatching block is one corrupted read, logged with the
-        sequence id, the first bad position and the block id.
-        """
-        info = await self.call("sequence", self.kv.sequence, seq.seq_id)
-        m = self.metrics
-        m.verifications += 1
-        if info.token_ids != tuple(seq.tokens):
-            m.corrupted_reads += 1
-            self._corrupt(seq, position=_first_difference(info.token_ids, seq.tokens), block_id=None, what="token_ids")
-            return
-        n = seq.committed
-        if info.num_computed < n:
-            self.unexpected("num_computed", seq_id=seq.seq_id, num_computed=info.num_computed, committed=n)
-        if n == 0:
-            return
-        table = torch.tensor(info.block_ids, dtype=torch.int64)
-        expected = seq.expected(self.oracle, 0, n)  # (L, 2, n, H, D)
-        bad = torch.zeros(n, dtype=torch.bool)
-        storage = self.kv.storage
-        for layer in range(storage.num_layers):
-            key, value = storage.gather(layer, table, n)  # each (n, H, D)
-            bad |= (key != expected[layer, 0]).flatten(1).any(1)
-            bad |= (value != expected[layer, 1]).flatten(1).any(1)
-        m.verified_tokens += n
-        if not bool(bad.any()):
-            return
-        bs = self.block_size
-        positions = torch.nonzero(bad).flatten().tolist()
-        seen_blocks: set[int] = set()
-        for p in positions:
-            if p // bs in seen_blocks:
-                continue
-            seen_blocks.add(p // bs)
-            m.corrupted_reads += 1
-            self._corrupt(seq, position=p, block_id=info.block_ids[p // bs], what="kv")
-
-    def _corrupt(self, seq: SeqModel, *, position: int | None, block_id: int | None, what: str) -> None:
-        event = {
-            "event": "corrupted_read",
-            "what": what,
-            "seq_id": str(seq.seq_id),
-            "position": position,
-            "block_id": block_id,
-        }
-        self.metrics.sample(event)
-        self.log.error("stress.corrupted_read", what=what, seq_id=seq.seq_id, position=position, block_id=block_id)
-
-    def unexpected(self, what: str, **details: Any) -> None:
-        """Count and log something the manager's contract rules out."""
-        self.metrics.unexpected_errors += 1
-        self.metrics.sample({"event": "unexpected", "what": what, **{k: repr(v) for k, v in details.items()}})
-        self.log.error("stress.unexpected", what=what, **details)
-
-
-def _first_difference(a: tuple[int, ...], b: list[int]) -> int:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return min(len(a), len(b))

@@ -6,10 +6,14 @@ Kinds (``--fault``):
 - ``shard_exception``: one pool shard other than the first (chosen by the
   seed; needs ``--shards >= 2``) raises once, while the others serve.
 - ``eviction_crash``: the eviction loop's next batch raises once.
-- ``failing_copies``: the storage's block copy raises (in the stream
-  worker's thread), so the stream worker fails the manager.
-- ``slow_copies``: every block copy sleeps 1-5 ms in the stream worker's
+- ``failing_copies``: the stream worker's next copy batch raises (in its
+  thread), so the stream worker fails the manager.
+- ``slow_copies``: every copy batch sleeps 1-5 ms in the stream worker's
   thread first; nothing may fail, every check of a clean run applies.
+
+Both copy faults wrap the stream worker's CPU copier
+(:class:`~akv.storage.tier_copy.TierCopier`), which runs every batch:
+copy-on-write copies and, with a host tier, demotions, promotions and swaps.
 
 Each wraps the real component's method on the running manager (the harness
 reaches in on purpose: there is no public fault hook); nothing under test is
@@ -118,19 +122,19 @@ class FaultInjector:
         loop._relieve = relieve
 
     def _wrap_copies(self) -> None:
-        storage = self.kv.storage
-        original = storage._copy_unchecked
+        copier = self.kv._executor._cpu_copier  # runs every batch, each phase of it
+        original = copier.run
         slow = self.kind == "slow_copies"
         delays = [self._rng.uniform(0.001, 0.005) for _ in range(64)]
         count = 0
 
-        def copy(src: Any, dst: Any) -> None:  # runs in the stream worker's thread
+        def run(batch: Any) -> None:  # runs in the stream worker's thread
             nonlocal count
             self._fire()
             if not slow:
                 raise RuntimeError("injected fault (akv stress --fault failing_copies)")
             time.sleep(delays[count % len(delays)])
             count += 1
-            original(src, dst)
+            original(batch)
 
-        storage._copy_unchecked = copy
+        copier.run = run

@@ -29,6 +29,14 @@ class Metrics:
     aborts: int = 0
     retries: int = 0
     gave_up: int = 0
+    #: Swaps (host tier): sequences swapped out and in, swap-outs refused for host room,
+    #: swapped sequences freed, swaps called from cancelled scopes, prompts continuing a conversation.
+    swap_outs: int = 0
+    swap_ins: int = 0
+    swap_refused: int = 0
+    swapped_frees: int = 0
+    cancelled_swaps: int = 0
+    continuations: int = 0
     verifications: int = 0
     verified_tokens: int = 0
     corrupted_reads: int = 0

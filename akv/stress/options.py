@@ -49,6 +49,12 @@ class StressOptions:
             cache is compared with the harness's record (plus one at the end).
         events: Turn cache events on and check them with a subscriber
             (:mod:`akv.stress.event_check`).
+        host_blocks: Blocks of a host-memory tier (all shards together; 0:
+            none). With a tier, eviction demotes cached blocks there, prompts
+            that continue earlier conversations promote them back, and the
+            ``swap`` program swaps sequences out and in (docs/host_tier.md).
+        host_gib: The host tier's size in GiB instead of ``host_blocks``
+            (``None``: use ``host_blocks``); give at most one of the two.
         fault: Fault to inject (:data:`FAULTS`), or ``None``.
         fault_after_s: Seconds into the run at which a timed fault fires.
         fault_after_programs: Programs started before a fault fires (takes
@@ -95,6 +101,8 @@ class StressOptions:
     fault_after_s: float = 1.0
     fault_after_programs: int | None = None
     events: bool = False
+    host_blocks: int = 0
+    host_gib: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("sequences", "block_size", "eviction_batch_blocks", "max_retries"):
@@ -119,6 +127,23 @@ class StressOptions:
             raise ValueError("watermarks must satisfy 0 <= low_watermark <= high_watermark <= 1")
         if not 0.0 <= self.cancel_probability <= 1.0:
             raise ValueError(f"cancel_probability must lie in [0, 1], got {self.cancel_probability!r}")
+        self._check_host()
+
+    def _check_host(self) -> None:
+        value, gib = self.host_blocks, self.host_gib
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"host_blocks must be an int >= 0, got {value!r}")
+        if gib is not None and (isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 < gib < 2**40):
+            raise ValueError(f"host_gib must be None or a number in (0, 2**40), got {gib!r}")
+        if value and gib is not None:
+            raise ValueError("give --host-blocks or --host-gib, not both")
+        if 0 < value < self.shards:
+            raise ValueError(f"--host-blocks {value} cannot be split over {self.shards} shards")
+
+    @property
+    def host_tier(self) -> bool:
+        """Whether the run has a host-memory tier (``host_blocks`` or ``host_gib``)."""
+        return bool(self.host_blocks) or self.host_gib is not None
 
     def _check_counts(self) -> None:
         for name in ("operations", "fault_after_programs"):

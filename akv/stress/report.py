@@ -72,7 +72,18 @@ class StressReport:
     ``leaked_blocks`` and ``leaked_sequences`` come from the final check or,
     when the manager failed, from the post-mortem recount of the state it
     left behind (:func:`akv.stress.audit.postmortem`); ``None`` only if
-    neither could run, which fails the run.
+    neither could run, which fails the run. ``leaked_host_blocks`` is the
+    same for the host tier (0 without one).
+
+    ``host_tier`` (empty without a host tier): ``host_blocks``, the final
+    ``host_free``, ``host_cached``, ``host_swapped`` and ``host_in_use``,
+    the manager's ``demoted_blocks``, ``promoted_blocks``,
+    ``host_evicted_blocks``, ``host_hit_tokens``, ``device_hit_tokens``,
+    ``swapped_out``, ``swapped_in``, and the tasks' own counts:
+    ``swap_outs``, ``swap_ins``, ``swap_refused`` (no host room),
+    ``swapped_frees`` (freed while swapped out), ``cancelled_swaps`` (called
+    from a cancelled scope) and ``continuations`` (prompts continuing an
+    earlier conversation).
     """
 
     seed: int
@@ -113,10 +124,12 @@ class StressReport:
     hung_calls: int
     leaked_blocks: int | None
     leaked_sequences: int | None
+    leaked_host_blocks: int | None
     nonempty_inboxes: dict[str, int]
     prefix_hit_rate: float
     max_inbox_depth: dict[str, int]
     final_stats: dict[str, int]
+    host_tier: dict[str, int] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     samples: list[dict] = field(default_factory=list)
     fault_injection: FaultInjection | None = None
@@ -138,6 +151,8 @@ class StressReport:
         else:
             if self.leaked_blocks:
                 out.append(f"{self.leaked_blocks} leaked blocks")
+            if self.leaked_host_blocks:
+                out.append(f"{self.leaked_host_blocks} leaked host blocks")
             if self.leaked_sequences:
                 out.append(f"{self.leaked_sequences} live sequences no task owns")
         fatal = self.fault_injection is not None and self.fault_injection.fatal
@@ -194,6 +209,7 @@ def print_summary(report: StressReport, console: Console | None = None) -> None:
         ("corrupted reads", f"{report.corrupted_reads}"),
         ("invariant violations", f"{report.invariant_violations}"),
         ("leaked blocks / sequences", f"{report.leaked_blocks} / {report.leaked_sequences}"),
+        *_host_rows(report.host_tier, report.leaked_host_blocks),
         ("audits (disagreements)", f"{report.audits} ({report.audit_violations})"),
         ("unexpected errors / hung calls", f"{report.unexpected_errors} / {report.hung_calls}"),
     ]
@@ -210,6 +226,31 @@ def print_summary(report: StressReport, console: Console | None = None) -> None:
     for name, value in rows:
         table.add_row(name, value)
     (console or Console()).print(table)
+
+
+def _host_rows(h: dict[str, int], leaked: int | None) -> list[tuple[str, str]]:
+    """The summary's host-tier rows (none without a host tier)."""
+    if not h:
+        return []
+    return [
+        (
+            "host blocks: in use / free (cached, swapped) at the end",
+            f"{h['host_in_use']:,} / {h['host_free']:,} ({h['host_cached']:,}, {h['host_swapped']:,}) "
+            f"of {h['host_blocks']:,}",
+        ),
+        (
+            "demoted / promoted / dropped by the host",
+            f"{h['demoted_blocks']:,} / {h['promoted_blocks']:,} / {h['host_evicted_blocks']:,}",
+        ),
+        ("hit tokens: device / host", f"{h['device_hit_tokens']:,} / {h['host_hit_tokens']:,}"),
+        (
+            "swaps out / in (refused, freed swapped, cancelled)",
+            f"{h['swapped_out']:,} / {h['swapped_in']:,} ({h['swap_refused']:,}, {h['swapped_frees']:,}, "
+            f"{h['cancelled_swaps']:,})",
+        ),
+        ("continued conversations", f"{h['continuations']:,}"),
+        ("leaked host blocks", f"{leaked}"),
+    ]
 
 
 def _p(summary: dict[str, float] | None) -> str:

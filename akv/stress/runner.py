@@ -10,10 +10,12 @@
    each loops random programs (:mod:`akv.stress.programs`), some under a
    cancel scope that fires at a random await point, and frees every id it
    may own (shielded) after each program.
-3. Checks the end state: ``kv.check()``, no live sequence, every block free
-   or cached, nothing in flight, every inbox empty, and a last audit
-   (:mod:`akv.stress.audit`: refcounts recounted from the block tables, the
-   prefix cache against the harness's record).
+3. Checks the end state: ``kv.check()``, no live or swapped-out sequence,
+   every block free or cached (with a host tier: on both tiers), nothing in
+   flight, every inbox empty, and a last audit (:mod:`akv.stress.audit`:
+   refcounts recounted from the block tables, both tiers' block states
+   against the tasks' record of swapped-out sequences, the prefix cache
+   against the harness's record).
 4. Probes the eviction order of every policy and the leaves-only rule
    (:mod:`akv.stress.probe`).
 
@@ -63,6 +65,8 @@ def stress_config(options: StressOptions) -> KVCacheConfig:
         eviction_batch_blocks=options.eviction_batch_blocks,
         debug_invariants=True,
         enable_events=options.events,
+        host_blocks=options.host_blocks,
+        host_gib=options.host_gib,
     )
 
 
@@ -94,9 +98,10 @@ async def _final_check(kv: KVCacheManager, out: Outcome, session: Session) -> No
     out.last_stats = stats
     out.check_ran = True
     out.leaked_blocks = stats.num_blocks - stats.free - stats.cached
-    out.leaked_sequences = stats.num_sequences
+    out.leaked_host_blocks = stats.host_blocks - stats.host_free - stats.host_cached
+    out.leaked_sequences = stats.num_sequences + stats.num_swapped
     out.nonempty_inboxes = {name: depth for name, depth in kv.inbox_depths.items() if depth}
-    out.add_audit(await audit(kv, session.owned_ids(), session.record), "at the end")
+    out.add_audit(await audit(kv, session.owned_ids(), session.record, session.swapped()), "at the end")
 
 
 async def _finish_events(checker: EventCheck, out: Outcome) -> None:
@@ -109,10 +114,10 @@ async def _finish_events(checker: EventCheck, out: Outcome) -> None:
 
 def _postmortem(kv: KVCacheManager, out: Outcome, session: Session) -> None:
     """Leak figures of a failed manager from the state it left behind (never ``None``)."""
-    leaked_blocks, leaked_sequences, result = postmortem(kv, session.owned_ids())
-    out.leaked_blocks, out.leaked_sequences = leaked_blocks, leaked_sequences
-    out.invariant_violations += result.violations
-    out.errors.extend(f"post-mortem: {e}" for e in result.errors)
+    leaks = postmortem(kv, session.owned_ids())
+    out.leaked_blocks, out.leaked_sequences, out.leaked_host_blocks = leaks.blocks, leaks.sequences, leaks.host_blocks
+    out.invariant_violations += leaks.audit.violations
+    out.errors.extend(f"post-mortem: {e}" for e in leaks.audit.errors)
 
 
 async def run_manager(
@@ -192,6 +197,7 @@ async def run_stress(options: StressOptions, *, progress: ProgressFn | None = No
         sequences=options.sequences,
         duration_s=options.duration_s,
         num_blocks=config.num_blocks,
+        host_blocks=config.num_host_blocks,
         block_size=config.block_size,
         inject_crash_after_s=options.inject_crash_after_s,
     )
@@ -337,6 +343,8 @@ def _build_report(
         hung_calls=metrics.hung_calls,
         leaked_blocks=out.leaked_blocks,
         leaked_sequences=out.leaked_sequences,
+        leaked_host_blocks=out.leaked_host_blocks if options.host_tier else 0,
+        host_tier=_host_numbers(g, metrics) if options.host_tier else {},
         nonempty_inboxes=out.nonempty_inboxes,
         prefix_hit_rate=round(g("hit_rate"), 4),
         max_inbox_depth=dict(g("max_inbox_depth") or {}),
@@ -347,3 +355,17 @@ def _build_report(
         samples=metrics.samples,
         fault_injection=fault,
     )
+
+
+#: The manager's host-tier fields of :class:`~akv.results.CacheStats` in the report.
+HOST_STATS = (
+    "host_blocks", "host_free", "host_cached", "host_swapped", "host_in_use", "demoted_blocks", "promoted_blocks",
+    "host_evicted_blocks", "host_hit_tokens", "device_hit_tokens", "swapped_out", "swapped_in",
+)  # fmt: skip
+#: The tasks' own host-tier counters (:class:`~akv.stress.metrics.Metrics`) in the report.
+HOST_METRICS = ("swap_outs", "swap_ins", "swap_refused", "swapped_frees", "cancelled_swaps", "continuations")
+
+
+def _host_numbers(stat: Any, metrics: Metrics) -> dict[str, int]:
+    """The report's ``host_tier`` numbers: the last stats' host fields and the tasks' swap counters."""
+    return {**{k: int(stat(k)) for k in HOST_STATS}, **{k: getattr(metrics, k) for k in HOST_METRICS}}

@@ -34,7 +34,7 @@ from akv.stress.gate import Gate
 from akv.stress.metrics import Metrics
 from akv.stress.options import StressOptions
 from akv.stress.oracle import KVOracle
-from akv.stress.programs import PROGRAMS, WEIGHTS
+from akv.stress.programs import HOST_WEIGHTS, PROGRAMS, WEIGHTS
 from akv.stress.workload import PromptSource
 
 ProgressFn = Callable[[float, Metrics], None]
@@ -52,6 +52,7 @@ class Outcome:
     last_stats: CacheStats | None = None
     check_ran: bool = False
     leaked_blocks: int | None = None
+    leaked_host_blocks: int | None = None
     leaked_sequences: int | None = None
     nonempty_inboxes: dict[str, int] = dataclasses.field(default_factory=dict)
     invariant_violations: int = 0
@@ -81,6 +82,7 @@ class Outcome:
             self.check_ran
             and not self.invariant_violations
             and self.leaked_blocks == 0
+            and not self.leaked_host_blocks
             and self.leaked_sequences == 0
             and not self.nonempty_inboxes
             and not self.audit_violations
@@ -149,7 +151,8 @@ class Session:
             gate=self.gate,
         )
         self.clients.append(client)
-        names, weights = list(WEIGHTS), list(WEIGHTS.values())
+        table = HOST_WEIGHTS if self.options.host_tier else WEIGHTS
+        names, weights = list(table), list(table.values())
         self.alive += 1
         try:
             async with anyio.create_task_group() as helpers:
@@ -202,11 +205,18 @@ class Session:
         """Every id some task may own now."""
         return set().union(*(c.owned for c in self.clients))
 
+    def swapped(self) -> dict:
+        """Every sequence some task holds swapped out -> the host blocks it holds (the tasks' own record)."""
+        out: dict = {}
+        for c in self.clients:
+            out.update(c.swapped)
+        return out
+
     async def audit_point(self, label: str) -> None:
         """Hold every call, audit the quiescent manager against the harness's own records, release."""
         await self.gate.drain()
         try:
-            result = await audit(self.kv, self.owned_ids(), self.record)
+            result = await audit(self.kv, self.owned_ids(), self.record, self.swapped())
         except TimeoutError:
             result = AuditResult()
             result.refcount_mismatches = 1

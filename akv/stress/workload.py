@@ -61,3 +61,24 @@ class PromptSource:
 def fresh_tokens(rng: random.Random, n: int) -> list[int]:
     """``n`` random token ids."""
     return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def continuation(rng: random.Random, previous: list[int], block_size: int) -> list[int]:
+    """A prompt continuing an earlier conversation: a prefix of its history plus a fresh user turn.
+
+    At most :func:`max_prompt_tokens` long, so the workload's longest
+    sequence (:func:`~akv.stress.programs.max_sequence_blocks`) still bounds
+    it. Its full blocks are the earlier conversation's: cached on the device,
+    demoted to the host tier since, or evicted.
+
+    Args:
+        rng: The task's random generator.
+        previous: The earlier conversation's token history.
+        block_size: Tokens per block.
+
+    Returns:
+        Token ids (at least one fresh token at the end).
+    """
+    turn = fresh_tokens(rng, rng.randint(1, block_size))
+    keep = min(len(previous), max_prompt_tokens(block_size) - len(turn))
+    return previous[:keep] + turn

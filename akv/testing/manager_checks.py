@@ -20,6 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant
 
 from akv.config import MODEL_SHAPES, KVCacheConfig
 from akv.core.step import Admit
+from akv.errors import PoolExhausted
 from akv.manager import KVCacheManager
 from akv.results import StepResult
 from akv.testing.prefix_model import PrefixModel, history_values
@@ -54,6 +55,8 @@ class ManagerMachineBase(RuleBasedStateMachine):
         #: Model block id -> the real block id last seen for it.
         self.real_of: dict[int, int] = {}
         self.num_shards = 1
+        #: Blocks of the example's host tier (0: none).
+        self.host_blocks = 0
         self._copies: list = []
         self._next_id = 0
         self._portal: Any = None
@@ -61,9 +64,12 @@ class ManagerMachineBase(RuleBasedStateMachine):
         self._kv_cm: Any = None
 
     # ---------------------------------------------------------------- hooks
-    def make_config(self, *, num_shards: int, watermarks: tuple[float, float], eviction_policy: str) -> KVCacheConfig:
-        """The configuration of one example's manager (tiny model, CPU tensors)."""
+    def make_config(
+        self, *, num_shards: int, watermarks: tuple[float, float], eviction_policy: str, host_blocks: int = 0
+    ) -> KVCacheConfig:
+        """The configuration of one example's manager (tiny model, CPU tensors; ``host_blocks``: its host tier)."""
         return KVCacheConfig(
+            host_blocks=host_blocks,
             num_blocks=self.num_blocks,
             block_size=self.block_size,
             model=MODEL_SHAPES["tiny"],
@@ -100,6 +106,28 @@ class ManagerMachineBase(RuleBasedStateMachine):
         table = torch.tensor(block_ids, dtype=torch.int64)
         layers = [torch.stack(storage.gather(layer, table, num_tokens)) for layer in range(storage.num_layers)]
         return torch.stack(layers)
+
+    def poison_kv(self, block_ids: list[int]) -> None:
+        """Overwrite free blocks' K/V with NaN: what a freed block held is garbage to its next owner.
+
+        Called after every rule, once no copy is pending, with the blocks
+        that are free then, so a missing or late copy (a promotion, a
+        swap-in, a copy-on-write) cannot pass unseen because the block it
+        lands in happens to hold the right K/V still.
+
+        Args:
+            block_ids: Free device blocks.
+        """
+        idx = torch.tensor(block_ids, dtype=torch.int64)
+        for cache in self.kv.storage.kv_caches:  # (2, num_blocks + 1, block_size, num_kv_heads, head_dim)
+            cache[:, idx] = float("nan")
+
+    def _poison_free(self) -> int:
+        """:meth:`poison_kv` the blocks free now (call once no copy is pending); return how many."""
+        free = [b for b in range(self.num_blocks) if self._call(self.kv.block_info, b).state == "free"]
+        if free:
+            self.poison_kv(free)
+        return len(free)
 
     def expected_kv(self, namespace: Hashable, tokens: list[int]) -> torch.Tensor:
         """What :meth:`read_kv` must return for a history: :func:`history_values` in the cache dtype."""
@@ -141,11 +169,13 @@ class ManagerMachineBase(RuleBasedStateMachine):
         for parent, kids in plan.forks:
             model.fork(parent, kids)
         starts = {}
+        retry = []
         for sid, tokens in plan.appends.items():
             seq = model.sequences[sid]
             tokens = [tokens] if isinstance(tokens, int) else list(tokens)
-            if not plan.admits:  # no admission's hits are protected: the room is exact
-                self._check_append_room(sid, len(tokens), result.rejected.get(sid))
+            if not plan.admits and self._check_append_room(sid, len(tokens), result.rejected.get(sid)):
+                retry.append((sid, tokens, result.rejected[sid]))  # no admission's hits are protected: room is exact
+                continue
             if sid in result.rejected:
                 self._check_rejection(sid, result.rejected[sid], len(seq.tokens) + len(tokens), seq.shard)
                 continue
@@ -162,6 +192,8 @@ class ManagerMachineBase(RuleBasedStateMachine):
             self._admitted(adm, result.cached_tokens[adm.seq_id])
             starts[adm.seq_id] = result.cached_tokens[adm.seq_id]
         self._write_rows(result, starts, data)
+        for sid, tokens, err in retry:
+            self._retry_append(sid, tokens, err, data)
 
     def _admitted(self, adm: Admit, cached: int) -> None:
         """Check one admission's hit of ``cached`` tokens against the model and record the new sequence."""
@@ -174,9 +206,42 @@ class ManagerMachineBase(RuleBasedStateMachine):
         self.model.admit(adm.seq_id, adm.namespace, info.shard, prompt, cached // self.block_size, published)
         event("admission hit" if cached else "admission miss")
 
-    def _check_append_room(self, sid: Hashable, num_tokens: int, err: Exception | None) -> None:
+    def _check_append_room(self, sid: Hashable, num_tokens: int, err: Exception | None) -> bool:
+        """:func:`check_append_room`; True for a transient refusal (host tier) the caller must retry."""
         size = len(self.kv.config.shard_ranges()[self.model.sequences[sid].shard])
-        check_append_room(self.model, sid, num_tokens, size, err)
+        transient = check_append_room(self.model, sid, num_tokens, size, err, transient=bool(self.host_blocks))
+        if transient:
+            note(f"  {sid} refused while host copies ran: {err!r}; retried once they ran")
+            event("transient refusal: host tier copies pending")
+        return transient
+
+    def _retry_append(self, sid: Hashable, tokens: Any, err: Exception, data: st.DataObject) -> None:
+        """A transient refusal's proof: retried once the pending copies ran, the same append succeeds."""
+        result = self.retry_until_room(lambda: self.kv.append(sid, tokens), err, f"append to {sid}")
+        self._run_step(StepPlan(appends={sid: tokens}), result, data)
+
+    def retry_until_room(self, call: Any, err: Exception, what: str) -> Any:
+        """Retry ``call`` (a coroutine function) after each wait for the pending copies until it is served.
+
+        Each pass evicts what the host tier can take then (its demotions
+        are in flight until their copies ran, and the blocks above them
+        wait), so a request the model says fits may need several; every
+        refusal must show progress (more free plus evictable blocks than
+        the last), so this ends, and never claim room it lacks.
+
+        Raises:
+            AssertionError: A refusal without progress, or inconsistent numbers.
+        """
+        have = err.free_blocks + err.evictable_blocks
+        while True:
+            self._call(self.kv.wait_copies)
+            try:
+                return self._call(call)
+            except PoolExhausted as again:
+                now = again.free_blocks + again.evictable_blocks
+                assert again.requested_blocks > now > have, f"{what}: refused again without progress: {again!r}"
+                note(f"  {what} refused again while host copies ran: {again!r}")
+                have = now
 
     def _check_rejection(self, sid: Hashable, err: Exception, num_tokens: int, shard: int | None) -> None:
         note(f"  {sid} rejected: {err!r}")
@@ -220,7 +285,9 @@ class ManagerMachineBase(RuleBasedStateMachine):
             got = self.read_kv(info.block_ids, len(seq.tokens))
             want = self.expected_kv(seq.namespace, seq.tokens)
             assert torch.equal(got, want), f"{sid}: K/V read back differs from its own history's"
-        alive = set(held) | set(self.model.cache.values())
+        # A cached block keeps its real id while idle, unless a host tier may have moved it (a demoted block
+        # promoted again stands for the same model block in a fresh device block): then only held ones are kept.
+        alive = set(held) if self.host_blocks else set(held) | set(self.model.cache.values())
         self.real_of = {m: r for m, r in self.real_of.items() if m in alive}
 
     @invariant()
@@ -229,22 +296,44 @@ class ManagerMachineBase(RuleBasedStateMachine):
         self._call(self.kv.wait_copies)
         s = self._call(self.kv.stats)
         assert s.free + s.active + s.cached + s.in_flight == s.num_blocks, s
+        assert self._poison_free() == s.free, f"blocks free by block_info differ from stats' {s.free}"
+
         assert s.in_flight == 0, f"{s.in_flight} blocks in flight after wait_copies"
         held = self.model.holders()
         assert s.active == len(held), f"{s.active} active blocks, the model holds {len(held)}"
         assert s.num_sequences == len(self.model.sequences)
-        # Entries akv evicted but the model has not seen go yet: evicted minus forgotten.
-        unseen = s.blocks_evicted - self.model.forgotten
-        assert unseen >= 0, f"the model forgot {self.model.forgotten} entries, akv evicted {s.blocks_evicted}"
+        # Entries akv dropped but the model has not seen go yet: dropped minus forgotten. A demoted block is
+        # evicted from the device but stays in the cache (on the host); the host tier's own evictions drop.
+        dropped = s.blocks_evicted - s.demoted_blocks + s.host_evicted_blocks
+        unseen = dropped - self.model.forgotten
+        assert unseen >= 0, f"the model forgot {self.model.forgotten} entries, akv dropped {dropped}"
         idle = sum(1 for m in self.model.cache.values() if not held[m])
-        assert s.cached + unseen == idle, f"{s.cached} cached + {unseen} evicted unseen != {idle} idle entries"
+        cached = s.cached + s.host_cached
+        assert cached + unseen == idle, f"{cached} cached (both tiers) + {unseen} dropped unseen != {idle} idle entries"
         assert s.prefix_cache_blocks + unseen == len(self.model.cache), (
-            f"{s.prefix_cache_blocks} in the tree + {unseen} evicted unseen != {len(self.model.cache)} entries"
+            f"{s.prefix_cache_blocks} in the tree + {unseen} dropped unseen != {len(self.model.cache)} entries"
         )
+        self._host_counts_add_up(s)
         if s.eviction_loop_blocks:
             event(f"eviction loop evicted ({self.num_shards} shards)")
         if self.model.forgotten:
             event("evictions seen by the model")
+
+    def _host_counts_add_up(self, s: Any) -> None:
+        """Host blocks by state add up, nothing in flight, the swapped-out ones exactly the model's."""
+        assert s.host_blocks == self.host_blocks, f"{s.host_blocks} host blocks, configured {self.host_blocks}"
+        assert s.host_free + s.host_cached + s.host_swapped + s.host_in_flight == s.host_blocks, s
+        assert s.host_in_flight == 0, f"{s.host_in_flight} host blocks in flight after wait_copies"
+        swapped = self.model.swapped
+        assert s.num_swapped == len(swapped), f"{s.num_swapped} swapped out, the model has {len(swapped)}"
+        held = sum(len(seq.blocks) for seq in swapped.values())
+        assert s.host_swapped == held, f"{s.host_swapped} host blocks swapped, the model's hold {held}"
+        if s.demoted_blocks:
+            event("demoted")
+        if s.promoted_blocks:
+            event("promoted")
+        if s.host_evicted_blocks:
+            event("host tier evicted")
 
     @invariant()
     def passes_check(self) -> None:

@@ -19,6 +19,18 @@ over token lists, so it can judge akv instead of repeating it.
 K/V values are a pure function of ``(namespace, token history up to a
 position)``: :func:`history_values`. Any reader that knows a sequence's tokens
 knows what its block table must read back.
+
+With a host tier, eviction *demotes* a cached block instead of dropping it
+when the host has room: its entry stays in the cache (it still hits, from
+the host, and a hit promotes it back into a fresh device block that stands
+for the same model block). Only a drop removes an entry: a device block
+evicted without host room, or a host block the host tier evicts for room.
+The model cannot tell a demoted entry from a device one, and needs not to:
+both may be hit, neither must. A sequence *swapped out*
+(:meth:`PrefixModel.swap_out`) holds no device block: its published blocks
+stay in the cache as idle entries, and it comes back in fresh blocks
+(:meth:`PrefixModel.swap_in`) that publish again from its first block, as
+any sequence's would.
 """
 
 from __future__ import annotations
@@ -107,6 +119,8 @@ class PrefixModel:
         self.cache: dict[tuple[int, Hashable, tuple[int, ...]], int] = {}
         #: Entries dropped from :attr:`cache` because akv was seen to have evicted them.
         self.forgotten = 0
+        #: Sequences swapped out to the host tier: what they hold while away (their blocks are not held).
+        self.swapped: dict[Hashable, ModelSequence] = {}
         self._next_block = 0
 
     # ---------------------------------------------------------------- blocks
@@ -320,3 +334,15 @@ class PrefixModel:
             self.sequences[seq_id].committed = len(prompt)
             self.claim(seq_id, published)
             self.check_stop(seq_id)
+
+    # ---------------------------------------------------------------- swaps
+    def swap_out(self, seq_id: Hashable) -> None:
+        """``seq_id`` moved to the host tier: it holds no block now (its published ones stay cached, idle)."""
+        self.swapped[seq_id] = self.sequences.pop(seq_id)
+
+    def swap_in(self, seq_id: Hashable) -> None:
+        """``seq_id`` came back in fresh device blocks (new model ids, none of them published yet)."""
+        seq = self.swapped.pop(seq_id)
+        seq.blocks = self.fresh(len(seq.blocks))
+        seq.stopped = False
+        self.sequences[seq_id] = seq

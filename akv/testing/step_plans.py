@@ -138,7 +138,9 @@ def draw_plan(
     return plan
 
 
-def check_append_room(model: PrefixModel, seq_id: Hashable, num_tokens: int, size: int, err: Exception | None) -> None:
+def check_append_room(
+    model: PrefixModel, seq_id: Hashable, num_tokens: int, size: int, err: Exception | None, *, transient: bool = False
+) -> bool:
     """An append is rejected exactly when its new blocks exceed its shard's free plus evictable ones.
 
     For a step without admissions (no prefix hits to protect): free plus
@@ -146,8 +148,20 @@ def check_append_room(model: PrefixModel, seq_id: Hashable, num_tokens: int, siz
     hold, whatever the eviction loop did meanwhile. Call before the model
     applies the append.
 
+    With ``transient`` (a host tier), one more refusal is allowed: the step's
+    own demotions filled the host tier, so cached blocks above a host block
+    still being copied could neither move nor be dropped. akv must then say
+    so in its numbers (less free plus evictable than requested, and less than
+    the model's room), and the caller must show the refusal was transient:
+    retried once the copies ran, with progress at every refusal, the same
+    append succeeds (:meth:`~akv.testing.manager_checks.ManagerMachineBase.retry_until_room`).
+
+    Returns:
+        Whether the append was refused transiently (the caller retries it).
+
     Raises:
-        AssertionError: Rejected with room, accepted without, or the wrong error or numbers.
+        AssertionError: Rejected with room (and not transiently), accepted
+            without, or the wrong error or numbers.
     """
     total, need = model.append_need(seq_id, num_tokens)
     room = size - model.held_on(model.sequences[seq_id].shard)
@@ -155,11 +169,16 @@ def check_append_room(model: PrefixModel, seq_id: Hashable, num_tokens: int, siz
         assert total <= size and need <= room, f"{seq_id}: appended needing {need} blocks with room for {room}"
     elif total > size:
         assert isinstance(err, RequestTooLarge), f"{seq_id}: {total} blocks of a {size}-block shard, got {err!r}"
+    elif transient and isinstance(err, PoolExhausted) and need <= room:
+        have = err.free_blocks + err.evictable_blocks
+        assert err.requested_blocks == need > have and have < room, f"{seq_id}: {err!r} with room for {room}"
+        return True
     else:
         assert isinstance(err, PoolExhausted) and need > room, f"{seq_id}: {err!r} with room for {room}"
         assert (err.requested_blocks, err.free_blocks + err.evictable_blocks) == (need, room), (
             f"{seq_id}: {err!r}, the model expected {need} requested and {room} free or evictable"
         )
+    return False
 
 
 def check_rejection(seq_id: Hashable, err: Exception, total: int, sizes: list[int], shard: int | None) -> None:

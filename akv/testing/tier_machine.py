@@ -13,7 +13,9 @@ rule, and keeps beside it:
   swap-ins to the device) are applied in submission order, each batch's
   phases in the stream worker's order;
 - **pending copies**: with ``sync_copies`` off, a step's batch runs before
-  the runner writes (the runner waits for the step's copies), but the shard
+  the runner writes (the runner waits for the step's copies, or for the
+  earlier batch ``wait_transfer`` names when the step has none; a step with
+  nothing to write waits for nothing, its batch stays queued), but the shard
   hears of it only at its next call (as the actor settles at its next
   message); a background ``evict``'s batch (held demotions) stays queued
   until the ``finish`` rule or a later step's batch runs it;
@@ -115,6 +117,7 @@ class TierMachine(RuleBasedStateMachine):
         self.queue = keep
 
     def _submit(self, out: StepOutcome, *, runner_waits: bool) -> None:
+        """Queue ``out``'s batch; if the runner waits, run what it waits for: its batch, else ``out.wait_transfer``'s."""
         if self.sync_copies and out.transfer is None:
             self._run(out)
             if out.copies:
@@ -124,11 +127,16 @@ class TierMachine(RuleBasedStateMachine):
             self.queue.append((out, False))
             if runner_waits:
                 self._run_through(len(self.queue) - 1)
+        elif runner_waits and out.wait_transfer is not None:  # an earlier batch still reads a block it got
+            for i, (earlier, _) in enumerate(self.queue):
+                if earlier.transfer == out.wait_transfer:
+                    self._run_through(i)
 
     def _step(self, **kw) -> StepOutcome:
+        """One step; its runner waits for what the step gives it to wait for only if it has rows to write."""
         self._settle()
         out = self.shard.step(StepRequest(**kw))
-        self._submit(out, runner_waits=True)
+        self._submit(out, runner_waits=bool(out.seq_ids))
         self._write(out)
         return out
 
@@ -176,7 +184,7 @@ class TierMachine(RuleBasedStateMachine):
         out = self.shard.step(StepRequest(appends={sid: token}))
         if sid in out.rejected:
             note(f"decode {sid} -> {out.rejected[sid]!r}")
-            self._submit(out, runner_waits=True)
+            self._submit(out, runner_waits=False)  # nothing to write: its copies may still be pending
             return
         self.tokens[sid].append(token)
         self._submit(out, runner_waits=True)
@@ -248,7 +256,7 @@ class TierMachine(RuleBasedStateMachine):
             n = self.shard.swap_in(sid, out)
         except AkvError as exc:
             note(f"swap in {sid} -> {exc!r}")
-            self._submit(out, runner_waits=True)
+            self._submit(out, runner_waits=False)  # a refused swap-in waits for nothing
             return
         self.tokens[sid] = self.swapped_tokens.pop(sid)
         self._submit(out, runner_waits=True)
