@@ -6,7 +6,7 @@ keys and the heap that serves every other key) to keep both files short.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from itertools import chain
 
 import numpy as np
@@ -47,6 +47,7 @@ class SegmentedOrder(HitCounts):
     __slots__ = (
         "_from_deferred",
         "_heads",
+        "_held",
         "_lanes",
         "_mask",
         "_shift",
@@ -73,6 +74,7 @@ class SegmentedOrder(HitCounts):
         self._size = 0
         self._stale = 0
         self._from_deferred: set[int] | tuple = ()  # blocks the last pop_first took from the evict-last lane
+        self._held: np.ndarray | None = None  # scratch bool (num_blocks,) for pop_first's skip, made on first use
 
     def __len__(self) -> int:
         return self._size
@@ -148,65 +150,74 @@ class SegmentedOrder(HitCounts):
         return ((e & mask) + base for e in entries if stamp[e & mask] == e)
 
     def pop_first(self, max_blocks: int, skip) -> list[int]:
-        """Take up to ``max_blocks`` blocks from the evict-first end; blocks in ``skip`` keep their place."""
-        if skip:
-            return self._pop_skipping(max_blocks, skip)
-        mask, stamp, heads = self._mask, self._stamp, self._heads
+        """Take up to ``max_blocks`` blocks from the evict-first end; blocks in ``skip`` keep their place.
+
+        Each segment is taken from in slices of the blocks still wanted, each
+        checked with numpy (live entries, then ``skip`` through a mask over the
+        pool's offsets), so a pass costs a few numpy calls per slice, not a
+        Python step per block; skipped blocks go back just before the new head,
+        in order, where they were. O(taken + stale + skipped + len(skip)).
+
+        Args:
+            max_blocks: Blocks to take at most.
+            skip: Block ids to leave in place (any container; a sized
+                iterable one, such as a set or a dict, is read once into a
+                mask, ids outside the pool ignored).
+
+        Returns:
+            The taken block ids, evict-first first.
+        """
+        mask, stamp, heads, base = self._mask, self._stamp, self._heads, self.base
+        held, marked = self._skip_mask(skip) if skip and isinstance(skip, Collection) else (None, None)
         parts: list[np.ndarray] = []
         taken = stale = 0
         self._from_deferred = ()
         for li, lane in enumerate(self._lanes):
             h = heads[li]
+            kept: list[np.ndarray] = []
             while taken < max_blocks and h < len(lane):
                 chunk = np.array(lane[h : h + max_blocks - taken], dtype=np.int64)
                 h += len(chunk)
                 off = chunk & mask
                 live = stamp[off] == chunk
                 if not live.all():
-                    off = off[live]
-                    stale += len(chunk) - len(off)
+                    chunk, off = chunk[live], off[live]
+                    stale += len(live) - len(off)
+                if skip:
+                    keep = held[off] if held is not None else _members(off + base, skip)
+                    if keep.any():
+                        kept.append(chunk[keep])
+                        off = off[~keep]
                 stamp[off] = 0
                 parts.append(off)
                 taken += len(off)
                 if li == 2 and len(off):
-                    self._from_deferred = {*self._from_deferred, *(off + self.base).tolist()}
+                    self._from_deferred = {*self._from_deferred, *(off + base).tolist()}
+            if kept:  # taken from just before the new head: they go back there, in order
+                back = np.concatenate(kept).tolist() if len(kept) > 1 else kept[0].tolist()
+                h -= len(back)
+                lane[h : h + len(back)] = back
             self._advance(li, h)
+        if held is not None:
+            held[marked] = False
         self._stale -= stale
         self._size -= taken
         if not parts:
             return []
-        return ((np.concatenate(parts) if len(parts) > 1 else parts[0]) + self.base).tolist()
+        return ((np.concatenate(parts) if len(parts) > 1 else parts[0]) + base).tolist()
 
-    def _pop_skipping(self, max_blocks: int, skip) -> list[int]:
-        """:meth:`pop_first` with blocks to skip: one entry at a time, the skipped ones put back at the head."""
-        base, mask, stamp = self.base, self._mask, memoryview(self._stamp)
-        out: list[int] = []
-        stale = 0
-        self._from_deferred = ()
-        for li, lane in enumerate(self._lanes):
-            h = self._heads[li]
-            kept: list[int] = []
-            first = len(out)
-            while len(out) < max_blocks and h < len(lane):
-                e = lane[h]
-                h += 1
-                i = e & mask
-                if stamp[i] != e:
-                    stale += 1
-                elif i + base in skip:
-                    kept.append(e)
-                else:
-                    stamp[i] = 0
-                    out.append(i + base)
-            if kept:  # they were taken from just before the new head: they go back there
-                h -= len(kept)
-                lane[h : h + len(kept)] = kept
-            if li == 2 and len(out) > first:
-                self._from_deferred = set(out[first:])
-            self._advance(li, h)
-        self._stale -= stale
-        self._size -= len(out)
-        return out
+    def _skip_mask(self, skip) -> tuple[np.ndarray, np.ndarray]:
+        """The scratch bool mask over the pool's offsets set at the blocks of ``skip``, and those offsets.
+
+        The caller clears the mask at the offsets after use.
+        """
+        held = self._held
+        if held is None:
+            held = self._held = np.zeros(len(self._stamp), dtype=bool)
+        off = np.fromiter(skip, dtype=np.int64, count=len(skip)) - self.base
+        off = off[(off >= 0) & (off < len(held))]
+        held[off] = True
+        return held, off
 
     def restore(self, block_ids: list[int]) -> None:
         """Put blocks taken by the last :meth:`pop_first` back at the head of their segment, in their old order.
@@ -293,3 +304,8 @@ class SegmentedOrder(HitCounts):
             self._heads[li] = 0
         self._tick = tick
         self._stale = 0
+
+
+def _members(block_ids: np.ndarray, skip) -> np.ndarray:
+    """bool ``(len(block_ids),)``: which of ``block_ids`` are ``in skip`` (a container that only answers ``in``)."""
+    return np.fromiter((b in skip for b in block_ids.tolist()), dtype=bool, count=len(block_ids))
