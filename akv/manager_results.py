@@ -26,7 +26,7 @@ def step_result(outcome: StepOutcome, tickets: list) -> StepResult:
     Args:
         outcome: The step's outcome; its numpy metadata arrays are wrapped
             without a copy (``torch.from_numpy``: int32 block tables
-            ``[rows, width]``, context lengths ``[rows]``, int32 query start
+            ``[rows, width]`` or their int32 updates ``[entries, 3]``, context lengths ``[rows]``, int32 query start
             locations ``[rows + 1]``, slot mapping ``[tokens]``).
         tickets: The copy tickets the step submitted (may be empty).
 
@@ -36,6 +36,7 @@ def step_result(outcome: StepOutcome, tickets: list) -> StepResult:
     return StepResult(
         seq_ids=tuple(outcome.seq_ids),
         block_tables=_tensor(outcome.block_tables),
+        block_table_updates=_tensor(outcome.block_table_updates),
         context_lens=_tensor(outcome.context_lens),
         query_start_loc=_tensor(outcome.query_start_loc),
         slot_mapping=_tensor(outcome.slot_mapping),
@@ -45,6 +46,18 @@ def step_result(outcome: StepOutcome, tickets: list) -> StepResult:
         freed=tuple(outcome.freed),
         evicted_blocks=outcome.evicted_blocks,
     )
+
+
+def result_attributes(result: StepResult) -> dict[str, int]:
+    """Span attributes of a step's result: rows scheduled, rejected, freed; blocks evicted and copied; bytes copied."""
+    return {
+        "akv.scheduled": len(result.seq_ids),
+        "akv.rejected": len(result.rejected),
+        "akv.freed": len(result.freed),
+        "akv.evicted_blocks": result.evicted_blocks,
+        "akv.copy_blocks": sum(t.num_blocks for t in result.copies.tickets),
+        "akv.copy_bytes": result.copies.nbytes,
+    }
 
 
 def _tensor(array: np.ndarray | None) -> torch.Tensor | None:

@@ -41,6 +41,8 @@ class ShardAppends:
                 decoded = self._decode(req.appends, out, req.commits, checked.commit_rows)
         if decoded is None:
             self._append_general(req.appends, protected, out, sched_ids, sched)
+        if not req.want_metadata:  # changed, not returned: a runner's mirror needs these rows whole next time
+            self.tables.stale[decoded[1] if decoded is not None else [r for r, _, _ in sched]] = True
         return decoded
 
     def _append_general(self, appends, protected, out: StepOutcome, sched_ids: list, sched: list) -> None:
@@ -80,11 +82,12 @@ class ShardAppends:
 
     def _decode(
         self, appends, out: StepOutcome, commits=None, commit_rows: np.ndarray | None = None
-    ) -> tuple[list, np.ndarray, np.ndarray, np.ndarray] | None:
+    ) -> tuple[list, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """The vectorized decode path: one ``int`` token for each sequence of ``appends``.
 
-        Returns ``(seq_ids, rows, positions, slots)`` (int arrays of shape
-        ``(batch,)``), or None without changing anything when the batch's new
+        Returns ``(seq_ids, rows, positions, slots, columns, block_ids)`` (int
+        arrays of shape ``(batch,)``; each token's block is ``block_ids[i]``,
+        column ``columns[i]`` of its row), or None without changing anything when the batch's new
         blocks and copies do not fit in the free blocks (the shortfall is left
         in ``_decode_shortfall``; the step then evicts it in one pass, or the
         general path evicts or rejects per sequence).
@@ -148,10 +151,11 @@ class ShardAppends:
         if released:
             tables.cow_reserved[rows] = False
             self.num_reserved -= released
-        slots = tables.array[rows, cols].astype(np.int64) * bs + offsets
+        block_ids = tables.array[rows, cols]
+        slots = block_ids.astype(np.int64) * bs + offsets
         self._flat_tokens[slots - self._first_slot] = np.fromiter(values, dtype=np.int64, count=n)
         tables.num_tokens[rows] = pos + 1
-        return ids, rows, pos, slots
+        return ids, rows, pos, slots, cols, block_ids
 
     def _decode_short(self, rows: np.ndarray, shared: list[int], num_new: int, free: int) -> int:
         """Blocks a decode batch lacks: ``num_new`` new blocks plus the copies of ``shared`` rows, against ``free``."""
@@ -202,25 +206,39 @@ class ShardAppends:
         slots = self.tables.array[row, pos // bs].astype(np.int64) * bs + pos % bs
         self._flat_tokens[slots - self._first_slot] = tokens
 
-    def _fill_metadata(self, out: StepOutcome, decoded, sched: list[tuple[int, int, int]]) -> None:
-        """Block tables, context lengths and slot mapping of the scheduled rows, vectorized.
+    def _fill_metadata(
+        self, out: StepOutcome, decoded, sched: list[tuple[int, int, int]], updates: bool = False
+    ) -> None:
+        """Block tables (or their updates), context lengths and slot mapping of the scheduled rows, vectorized.
 
         ``slot = block_table[row, pos // block_size] * block_size + pos % block_size``
         for every new token, computed for the whole batch at once (the decode
-        path has computed its slots already).
+        path has computed its slots already). With ``updates`` the padded
+        tables are not gathered: ``out.block_table_updates`` gets the entries
+        of the columns the new tokens fall in, and the whole table of the
+        :attr:`~akv.core.block_table.BlockTables.stale` rows
+        (:meth:`~akv.core.block_table.BlockTables.updates`).
         """
         bs, tables = self.block_size, self.tables
         if decoded is not None and not sched:  # a pure decode step
-            _, rows, pos, slots = decoded
+            _, rows, pos, slots, cols, block_ids = decoded
             batch = len(rows)
-            out.block_tables = tables.gather(rows, int(tables.lens[rows].max()))
+            if not updates:
+                out.block_tables = tables.gather(rows, int(tables.lens[rows].max()))
+            elif tables.stale[rows].any():
+                out.block_table_updates = tables.updates(rows, cols, cols)
+            else:  # one entry per row, all known: the column and block of its new token
+                out.block_table_updates = entries = np.empty((batch, 3), dtype=np.int32)
+                entries[:, 0] = np.arange(batch)
+                entries[:, 1] = cols
+                entries[:, 2] = block_ids
             out.context_lens = (pos + 1).astype(np.int32)
             out.query_start_loc = np.arange(batch + 1, dtype=np.int32)
             out.slot_mapping = slots
             return
         extra = np.array(sched, dtype=np.int64).reshape(-1, 3)
         if decoded is not None:
-            _, drows, dpos, _ = decoded
+            drows, dpos = decoded[1], decoded[2]
             rows = np.concatenate([drows, extra[:, 0]])
             starts = np.concatenate([dpos, extra[:, 1]])
             lens = np.concatenate([np.ones(len(drows), dtype=np.int64), extra[:, 2]])
@@ -229,8 +247,9 @@ class ShardAppends:
         batch = len(rows)
         if not batch:
             out.block_tables, out.context_lens, out.query_start_loc, out.slot_mapping = empty_metadata()
+            if updates:
+                out.block_tables, out.block_table_updates = None, np.zeros((0, 3), dtype=np.int32)
             return
-        tab = tables.gather(rows, int(tables.lens[rows].max()))
         qsl = np.zeros(batch + 1, dtype=np.int64)
         np.cumsum(lens, out=qsl[1:])
         total = int(qsl[-1])
@@ -239,7 +258,12 @@ class ShardAppends:
         else:
             row_of = np.repeat(np.arange(batch), lens)
             pos = starts[row_of] + (np.arange(total) - qsl[row_of])
-        out.block_tables = tab
+        if updates:
+            out.block_table_updates = tables.updates(rows, starts // bs, (starts + lens - 1) // bs)
+            block_ids = tables.array[rows[row_of], pos // bs]
+        else:
+            out.block_tables = tab = tables.gather(rows, int(tables.lens[rows].max()))
+            block_ids = tab[row_of, pos // bs]
         out.context_lens = (starts + lens).astype(np.int32)
         out.query_start_loc = qsl.astype(np.int32)
-        out.slot_mapping = tab[row_of, pos // bs].astype(np.int64) * bs + pos % bs
+        out.slot_mapping = block_ids.astype(np.int64) * bs + pos % bs

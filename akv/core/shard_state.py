@@ -203,7 +203,7 @@ class ShardState(ShardChecks, ShardPublishing, ShardAppends, ShardExports, Shard
             self._free(req, out)
             if req.frees_only:
                 if req.want_metadata:
-                    self._fill_metadata(out, None, [])
+                    self._fill_metadata(out, None, [], req.block_table_updates)
                 return out
         publishing = PendingPublish()
         if req.commits:
@@ -227,7 +227,7 @@ class ShardState(ShardChecks, ShardPublishing, ShardAppends, ShardExports, Shard
             self._admit(req.admits, matches, protected, out, sched_ids, sched)
         out.seq_ids = decoded[0] + sched_ids if decoded is not None else sched_ids
         if req.want_metadata:
-            self._fill_metadata(out, decoded, sched)
+            self._fill_metadata(out, decoded, sched, req.block_table_updates)
         return out
 
     def _fork(self, forks, earmarks: list[int]) -> None:
