@@ -60,9 +60,13 @@ def assert_same(full, upd, mirror: dict) -> None:
     rows = upd.block_table_updates[:, 0].tolist()
     assert rows == sorted(rows)
     apply(mirror, upd)
+    qsl = full.query_start_loc.tolist()
     for i, (seq_id, n) in enumerate(zip(full.seq_ids, full.context_lens.tolist(), strict=True)):
         blocks = -(-n // BS)
         assert mirror[seq_id][:blocks] == full.block_tables[i, :blocks].tolist(), seq_id
+        table, first = full.block_tables[i].tolist(), n - (qsl[i + 1] - qsl[i])  # the row's new positions: first..n-1
+        want = [table[p // BS] * BS + p % BS for p in range(first, n)]
+        assert full.slot_mapping[qsl[i] : qsl[i + 1]].tolist() == want, seq_id
 
 
 async def test_a_decode_step_returns_one_entry_per_row_and_an_admission_its_whole_table() -> None:
@@ -97,7 +101,7 @@ async def test_block_tables_must_be_full_or_updates(value) -> None:
 
 ops = st.lists(
     st.one_of(
-        st.tuples(st.just("admit"), st.integers(1, 11)),
+        st.tuples(st.just("admit"), st.integers(1, 21)),
         st.tuples(st.just("decode"), st.booleans()),
         st.tuples(st.just("append"), st.integers(0, 5), st.integers(1, 9), st.booleans()),
         st.tuples(st.just("fork"), st.integers(0, 5)),

@@ -252,18 +252,42 @@ class ShardAppends:
             return
         qsl = np.zeros(batch + 1, dtype=np.int64)
         np.cumsum(lens, out=qsl[1:])
-        total = int(qsl[-1])
-        if total == batch:  # one new token per row
-            row_of, pos = np.arange(batch), starts
-        else:
-            row_of = np.repeat(np.arange(batch), lens)
-            pos = starts[row_of] + (np.arange(total) - qsl[row_of])
         if updates:
             out.block_table_updates = tables.updates(rows, starts // bs, (starts + lens - 1) // bs)
-            block_ids = tables.array[rows[row_of], pos // bs]
         else:
-            out.block_tables = tab = tables.gather(rows, int(tables.lens[rows].max()))
-            block_ids = tab[row_of, pos // bs]
+            out.block_tables = tables.gather(rows, int(tables.lens[rows].max()))
         out.context_lens = (starts + lens).astype(np.int32)
         out.query_start_loc = qsl.astype(np.int32)
-        out.slot_mapping = block_ids.astype(np.int64) * bs + pos % bs
+        out.slot_mapping = self._slots(rows, starts, lens, qsl)
+
+    def _slots(self, rows: np.ndarray, starts: np.ndarray, lens: np.ndarray, qsl: np.ndarray) -> np.ndarray:
+        """Slot mapping of the new tokens of ``rows``: int64 ``(qsl[-1],)``, row after row.
+
+        ``lens[i]`` tokens of ``rows[i]`` from position ``starts[i]``, written at
+        ``qsl[i]``. Rows of a few tokens are done together, one gather for all
+        their tokens; a row spanning several blocks (a prefill) takes its
+        blocks' slots in one broadcast per row, so its cost per token is one
+        write, not a dozen numpy passes over ``(tokens,)`` index arrays.
+        O(tokens + blocks).
+        """
+        bs, table = self.block_size, self.tables.array
+        total = int(qsl[-1])
+        if total == len(rows):  # one new token per row
+            return table[rows, starts // bs].astype(np.int64) * bs + starts % bs
+        slots = np.empty(total, dtype=np.int64)
+        long = lens >= 2 * bs
+        short = np.flatnonzero(~long)
+        if len(short):
+            n = lens[short]
+            row_of = np.repeat(short, n)
+            within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+            pos = starts[row_of] + within
+            slots[qsl[row_of] + within] = table[rows[row_of], pos // bs].astype(np.int64) * bs + pos % bs
+        span = np.arange(bs)
+        for i in np.flatnonzero(long).tolist():
+            start, k, at = int(starts[i]), int(lens[i]), int(qsl[i])
+            first = start // bs
+            blocks = table[rows[i], first : (start + k - 1) // bs + 1].astype(np.int64) * bs
+            lo = start - first * bs
+            slots[at : at + k] = (blocks[:, None] + span).reshape(-1)[lo : lo + k]
+        return slots
