@@ -59,21 +59,21 @@ def step_request(
         return StepRequest(
             frees=tuple(ids(frees, "frees")), want_metadata=want_metadata, block_table_updates=block_table_updates
         )
-    frees = ids(frees, "frees")
-    preempted = frozenset(ids(preempted, "preempted"))
+    # Arguments left at their default ``()`` skip their checks (a decode step passes only commits and appends).
+    frees = () if empty_tuple(frees) else tuple(ids(frees, "frees"))
+    preempted = frozenset() if empty_tuple(preempted) else frozenset(ids(preempted, "preempted"))
     commits = commit_counts(mapping(commits, "commits"))
     appends = mapping(appends, "appends", commits)
     appends_arr = decode_tokens(appends, vocab_size)
     if appends_arr is None:
         appends_arr = {seq_id: append_tokens(seq_id, tokens, vocab_size) for seq_id, tokens in appends.items()}
-    admits_arr = _admits(admits, vocab_size)
     return StepRequest(
-        frees=(*frees, *preempted),
+        frees=(*frees, *preempted) if preempted else frees,
         preempted=preempted,
         commits=commits,
-        forks=_forks(forks),
+        forks=() if empty_tuple(forks) else _forks(forks),
         appends=appends_arr,
-        admits=admits_arr,
+        admits=() if empty_tuple(admits) else _admits(admits, vocab_size),
         want_metadata=want_metadata,
         block_table_updates=block_table_updates,
     )

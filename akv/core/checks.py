@@ -25,12 +25,19 @@ class Checked:
     Attributes:
         commit_rows: intp ``(len(commits),)`` rows of the committed sequences, in order.
         commit_counts: int64 ``(len(commits),)`` tokens committed.
+        commit_totals: int64 ``(len(commits),)`` each row's committed tokens
+            once the step's commits are applied (the validation computed them).
         single_appends: Every append is one ``int`` token (a decode batch).
     """
 
     commit_rows: np.ndarray | None = None
     commit_counts: np.ndarray | None = None
+    commit_totals: np.ndarray | None = None
     single_appends: bool = False
+
+
+#: ``_all(mask)``: every element true (``ndarray.all`` without its Python-level wrapper).
+_all = np.logical_and.reduce
 
 
 class ShardChecks:
@@ -63,8 +70,9 @@ class ShardChecks:
             found = self._commits_ok(req.commits, freed)
             if found is None:
                 self._validate_commits(req.commits, freed)
-                found = self._commit_arrays(req.commits)
-            checked.commit_rows, checked.commit_counts = found
+                rows, add = self._commit_arrays(req.commits)
+                found = rows, add, self.tables.num_computed[rows] + add
+            checked.commit_rows, checked.commit_counts, checked.commit_totals = found
         created: set = set()
 
         def live(seq_id: Hashable) -> bool:
@@ -99,8 +107,8 @@ class ShardChecks:
                 raise InvalidInput(f"empty prompt for sequence {adm.seq_id!r}")
         return checked
 
-    def _commits_ok(self, commits, freed: set) -> tuple[np.ndarray, np.ndarray] | None:
-        """Vectorized commit check: all ids live, all counts ints within range; their rows and counts, or None."""
+    def _commits_ok(self, commits, freed: set) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Vectorized commit check: all ids live, all counts ints within range; their rows, counts and new totals, or None."""
         counts = commits.values()
         if (freed and not freed.isdisjoint(commits)) or set(map(type, counts)) != {int} or min(counts) < 0:
             return None
@@ -109,8 +117,9 @@ class ShardChecks:
         except (KeyError, OverflowError):  # an unknown id, a count beyond int64: the per-item check words the error
             return None
         t = self.tables
-        if (t.num_computed[rows] + add <= t.num_tokens[rows]).all():
-            return rows, add
+        totals = t.num_computed[rows] + add
+        if _all(totals <= t.num_tokens[rows]):
+            return rows, add, totals
         return None
 
     def _commit_arrays(self, commits) -> tuple[np.ndarray, np.ndarray]:

@@ -15,6 +15,9 @@ import numpy as np
 from akv.core.reservation import row_reserved
 from akv.core.step import StepOutcome, empty_metadata
 
+#: ``_any(mask)``: some element true (``ndarray.any`` without its Python-level wrapper).
+_any = np.logical_or.reduce
+
 
 class ShardAppends:
     """Appends and metadata; a mixin of :class:`~akv.core.shard_state.ShardState` (uses its attributes)."""
@@ -102,15 +105,18 @@ class ShardAppends:
         ids = list(appends)
         k = len(commits) if commit_rows is not None else 0
         if k and k <= n and ids[:k] == list(commits):  # a decode loop commits and appends the same rows
-            rest = np.fromiter(map(self.rows.__getitem__, ids[k:]), dtype=np.intp, count=n - k)
-            rows = commit_rows if k == n else np.concatenate((commit_rows, rest))
+            if k == n:
+                rows = commit_rows
+            else:
+                rest = np.fromiter(map(self.rows.__getitem__, ids[k:]), dtype=np.intp, count=n - k)
+                rows = np.concatenate((commit_rows, rest))
         else:
             rows = np.fromiter(map(self.rows.__getitem__, ids), dtype=np.intp, count=n)
         pos = tables.num_tokens[rows]
         cols, offsets = np.divmod(pos, bs)
         new_block = offsets == 0
-        # Shared tails come only from forks: with none in the table, skip the per-row flags.
-        any_shared = bool(tables.shared_tail.any())
+        # Shared tails come only from forks (``_fork`` counts them): with none in the table, skip the per-row flags.
+        any_shared = bool(self.counters.forks) and bool(_any(tables.shared_tail))
         maybe_shared = np.flatnonzero(tables.shared_tail[rows] & ~new_block).tolist() if any_shared else []
         num_new = int(np.count_nonzero(new_block))
         released = 0  # earmarked blocks this batch takes or gives back
@@ -129,6 +135,8 @@ class ShardAppends:
                 int(np.count_nonzero(new_block & ~ahead)),
                 pool.num_free - self.num_reserved,
             )
+        elif num_new + len(maybe_shared) <= pool.num_free:  # at most one copy per flagged row
+            short = 0
         else:
             short = self._decode_short(rows, maybe_shared, num_new, pool.num_free)
         if short:
@@ -140,10 +148,10 @@ class ShardAppends:
                 self._copy_on_write(ids[i], r, out)
         if num_new:
             grow = rows[new_block]
-            new_cols = cols[new_block]
-            tables.ensure_cols(int(new_cols[-1] if num_new == 1 else new_cols.max()) + 1)
+            new_cols = cols[new_block]  # a row's new block is its next column: new_cols == lens[grow]
+            tables.ensure_cols(int(new_cols[-1] if num_new == 1 else np.maximum.reduce(new_cols)) + 1)
             tables.array[grow, new_cols] = pool.allocate(num_new)
-            tables.lens[grow] += 1
+            tables.lens[grow] = new_cols + 1
             self.table_refs += num_new
             self.counters.blocks_allocated += num_new
         if any_shared:
@@ -152,8 +160,10 @@ class ShardAppends:
             tables.cow_reserved[rows] = False
             self.num_reserved -= released
         block_ids = tables.array[rows, cols]
-        slots = block_ids.astype(np.int64) * bs + offsets
-        self._flat_tokens[slots - self._first_slot] = np.fromiter(values, dtype=np.int64, count=n)
+        slots = np.multiply(block_ids, bs, dtype=np.int64)
+        slots += offsets
+        flat = slots - self._first_slot if self._first_slot else slots
+        self._flat_tokens[flat] = np.fromiter(values, dtype=np.int64, count=n)
         tables.num_tokens[rows] = pos + 1
         return ids, rows, pos, slots, cols, block_ids
 
@@ -225,7 +235,7 @@ class ShardAppends:
             batch = len(rows)
             if not updates:
                 out.block_tables = tables.gather(rows, int(tables.lens[rows].max()))
-            elif tables.stale[rows].any():
+            elif _any(tables.stale[rows]):
                 out.block_table_updates = tables.updates(rows, cols, cols)
             else:  # one entry per row, all known: the column and block of its new token
                 out.block_table_updates = entries = np.empty((batch, 3), dtype=np.int32)
