@@ -64,7 +64,7 @@ class ShardChecks:
         if req.frees_only:
             return Checked()  # unknown ids are no-ops
         seqs = self.sequences
-        freed = {s for s in req.frees if s in seqs}
+        freed = {s for s in req.frees if s in seqs} if req.frees else set()
         checked = Checked()
         if req.commits:
             found = self._commits_ok(req.commits, freed)
@@ -91,7 +91,11 @@ class ShardChecks:
         appends = req.appends
         if appends:
             keys = appends.keys()
-            unknown = ((keys - seqs.keys()) | (keys & freed)) - created
+            unknown = keys - seqs.keys()
+            if freed:
+                unknown |= keys & freed
+            if created:
+                unknown -= created
             checked.single_appends = single = set(map(type, appends.values())) == {int}
             if unknown or not single:
                 for seq_id, tokens in appends.items():

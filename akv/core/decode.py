@@ -88,9 +88,9 @@ class ShardAppends:
     ) -> tuple[list, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """The vectorized decode path: one ``int`` token for each sequence of ``appends``.
 
-        Returns ``(seq_ids, rows, positions, slots, columns, block_ids)`` (int
-        arrays of shape ``(batch,)``; each token's block is ``block_ids[i]``,
-        column ``columns[i]`` of its row), or None without changing anything when the batch's new
+        Returns ``(seq_ids, rows, num_tokens, slots, columns, block_ids)`` (int
+        arrays of shape ``(batch,)``; each row's new token is at position
+        ``num_tokens[i] - 1``, in block ``block_ids[i]``, column ``columns[i]`` of its row), or None without changing anything when the batch's new
         blocks and copies do not fit in the free blocks (the shortfall is left
         in ``_decode_shortfall``; the step then evicts it in one pass, or the
         general path evicts or rejects per sequence).
@@ -103,15 +103,7 @@ class ShardAppends:
         bs, pool, tables = self.block_size, self.pool, self.tables
         n = len(appends)
         ids = list(appends)
-        k = len(commits) if commit_rows is not None else 0
-        if k and k <= n and ids[:k] == list(commits):  # a decode loop commits and appends the same rows
-            if k == n:
-                rows = commit_rows
-            else:
-                rest = np.fromiter(map(self.rows.__getitem__, ids[k:]), dtype=np.intp, count=n - k)
-                rows = np.concatenate((commit_rows, rest))
-        else:
-            rows = np.fromiter(map(self.rows.__getitem__, ids), dtype=np.intp, count=n)
+        rows = self._batch_rows(ids, commits, commit_rows)
         pos = tables.num_tokens[rows]
         cols, offsets = np.divmod(pos, bs)
         new_block = offsets == 0
@@ -164,8 +156,19 @@ class ShardAppends:
         slots += offsets
         flat = slots - self._first_slot if self._first_slot else slots
         self._flat_tokens[flat] = np.fromiter(values, dtype=np.int64, count=n)
-        tables.num_tokens[rows] = pos + 1
-        return ids, rows, pos, slots, cols, block_ids
+        tables.num_tokens[rows] = after = pos + 1
+        return ids, rows, after, slots, cols, block_ids
+
+    def _batch_rows(self, ids: list, commits, commit_rows: np.ndarray | None) -> np.ndarray:
+        """intp ``(len(ids),)`` rows of ``ids``, reusing ``commit_rows`` when the commits' ids lead ``ids`` in order."""
+        n = len(ids)
+        k = len(commits) if commit_rows is not None else 0
+        if k and k <= n and ids[:k] == list(commits):  # a decode loop commits and appends the same rows
+            if k == n:
+                return commit_rows
+            rest = np.fromiter(map(self.rows.__getitem__, ids[k:]), dtype=np.intp, count=n - k)
+            return np.concatenate((commit_rows, rest))
+        return np.fromiter(map(self.rows.__getitem__, ids), dtype=np.intp, count=n)
 
     def _decode_short(self, rows: np.ndarray, shared: list[int], num_new: int, free: int) -> int:
         """Blocks a decode batch lacks: ``num_new`` new blocks plus the copies of ``shared`` rows, against ``free``."""
@@ -231,7 +234,7 @@ class ShardAppends:
         """
         bs, tables = self.block_size, self.tables
         if decoded is not None and not sched:  # a pure decode step
-            _, rows, pos, slots, cols, block_ids = decoded
+            _, rows, after, slots, cols, block_ids = decoded
             batch = len(rows)
             if not updates:
                 out.block_tables = tables.gather(rows, int(tables.lens[rows].max()))
@@ -242,13 +245,13 @@ class ShardAppends:
                 entries[:, 0] = np.arange(batch)
                 entries[:, 1] = cols
                 entries[:, 2] = block_ids
-            out.context_lens = (pos + 1).astype(np.int32)
+            out.context_lens = after.astype(np.int32)
             out.query_start_loc = np.arange(batch + 1, dtype=np.int32)
             out.slot_mapping = slots
             return
         extra = np.array(sched, dtype=np.int64).reshape(-1, 3)
         if decoded is not None:
-            drows, dpos = decoded[1], decoded[2]
+            drows, dpos = decoded[1], decoded[2] - 1
             rows = np.concatenate([drows, extra[:, 0]])
             starts = np.concatenate([dpos, extra[:, 1]])
             lens = np.concatenate([np.ones(len(drows), dtype=np.int64), extra[:, 2]])

@@ -55,9 +55,9 @@ class ShardPublishing:
         if not self.enable_prefix_cache:
             return
         bs, seqs, ids = self.block_size, self.sequences, None
-        old = new - add
         single: list[tuple[Sequence, int, int]] = []  # (sequence, its row, index of its one newly full block)
-        for i in ((new // bs) > (old // bs)).nonzero()[0].tolist():
+        # A row filled a block iff its new total's offset in its block is below what it added.
+        for i in ((new % bs) < add).nonzero()[0].tolist():
             if ids is None:
                 ids = list(commits)
             seq = seqs[ids[i]]
