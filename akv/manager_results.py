@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from akv.actors.shard_snapshot import COUNTER_NAMES, ShardSnapshot
@@ -33,13 +32,15 @@ def step_result(outcome: StepOutcome, tickets: list) -> StepResult:
     Returns:
         The step's result; ``copies`` completes when every ticket has run.
     """
+    tables, updates, lens = outcome.block_tables, outcome.block_table_updates, outcome.context_lens
+    qsl, slots = outcome.query_start_loc, outcome.slot_mapping
     return StepResult(
         seq_ids=tuple(outcome.seq_ids),
-        block_tables=_tensor(outcome.block_tables),
-        block_table_updates=_tensor(outcome.block_table_updates),
-        context_lens=_tensor(outcome.context_lens),
-        query_start_loc=_tensor(outcome.query_start_loc),
-        slot_mapping=_tensor(outcome.slot_mapping),
+        block_tables=None if tables is None else _from_numpy(tables),
+        block_table_updates=None if updates is None else _from_numpy(updates),
+        context_lens=None if lens is None else _from_numpy(lens),
+        query_start_loc=None if qsl is None else _from_numpy(qsl),
+        slot_mapping=None if slots is None else _from_numpy(slots),
         cached_tokens=outcome.cached_tokens,
         rejected=outcome.rejected,
         copies=CopyCompletion(tickets) if tickets else NO_COPIES,
@@ -60,9 +61,8 @@ def result_attributes(result: StepResult) -> dict[str, int]:
     }
 
 
-def _tensor(array: np.ndarray | None) -> torch.Tensor | None:
-    """``array`` as a tensor sharing its memory, or None."""
-    return None if array is None else torch.from_numpy(array)
+#: ``_from_numpy(array)``: a tensor sharing the array's memory.
+_from_numpy = torch.from_numpy
 
 
 def cache_stats(

@@ -212,7 +212,7 @@ class ShardState(ShardChecks, ShardPublishing, ShardAppends, ShardExports, Shard
             self._publish(publishing, out)
         if req.forks:
             self._fork(req.forks, earmarks)
-        matches = self._match_admissions(req.admits)
+        matches = self._match_admissions(req.admits) if req.admits else {}
         # Prefix hits of admissions not processed yet must not be evicted to make
         # room for anything else in this step.
         protected = PendingHits()
