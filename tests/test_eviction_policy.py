@@ -7,6 +7,8 @@ cannot hide behind ids that start at 0. Orders are asserted exactly
 
 from __future__ import annotations
 
+from array import array
+
 import anyio
 import numpy as np
 import pytest
@@ -383,7 +385,7 @@ def _pop_one_at_a_time(seg, max_blocks: int, skip) -> list[int]:
             else:
                 seg._stamp[i] = 0
                 out.append(i + seg.base)
-        lane[h - len(kept) : h] = kept
+        lane[h - len(kept) : h] = array("q", kept)
         if li == 2 and len(out) > first:
             seg._from_deferred = set(out[first:])
         seg._advance(li, h - len(kept))
