@@ -102,6 +102,7 @@ async def test_block_tables_must_be_full_or_updates(value) -> None:
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("admit"), st.integers(1, 21)),
+        st.tuples(st.just("admit_many"), st.lists(st.integers(1, 21), min_size=2, max_size=7)),
         st.tuples(st.just("decode"), st.booleans()),
         st.tuples(st.just("append"), st.integers(0, 5), st.integers(1, 9), st.booleans()),
         st.tuples(st.just("fork"), st.integers(0, 5)),
@@ -131,6 +132,8 @@ ops = st.lists(
 )
 # Steps without metadata fill a whole new block; the next step's token is in the one after.
 @example(ops=[("admit", 4), ("decode", False), ("append", 0, 3, False), ("decode", True)], num_shards=1)
+# Six prefills of two blocks or more in one step, then five (both ways of computing their slots).
+@example(ops=[("admit_many", [9, 12, 21, 8, 17, 10]), ("admit_many", [9, 9, 9, 9, 3]), ("decode", True)], num_shards=1)
 # Admitted on two shards, scheduled in request order, not shard order.
 @example(ops=[("admit", 5), ("admit", 2), ("admit", 7), ("decode", True), ("append", 1, 6, True)], num_shards=2)
 def test_applied_updates_rebuild_the_padded_tables(ops, num_shards: int) -> None:
@@ -155,6 +158,10 @@ def test_applied_updates_rebuild_the_padded_tables(ops, num_shards: int) -> None
                     sid = f"s{n}"
                     r = await both(admits=[Admit(seq_id=sid, prompt=list(range(n * 50, n * 50 + op[1])))])
                     live += [sid] if sid in r.seq_ids else []
+                elif kind == "admit_many":  # several prefills in one step (one pass over all tokens past 4)
+                    admits = [Admit(seq_id=f"s{n}.{j}", prompt=list(range(j, j + k))) for j, k in enumerate(op[1])]
+                    r = await both(admits=admits)
+                    live += [a.seq_id for a in admits if a.seq_id in r.seq_ids]
                 elif kind == "decode" and live:
                     token += 1
                     await both(appends=dict.fromkeys(live, token), commits=dict.fromkeys(live, 0), want_metadata=op[1])

@@ -18,6 +18,10 @@ from akv.core.step import StepOutcome, empty_metadata
 #: ``_any(mask)``: some element true (``ndarray.any`` without its Python-level wrapper).
 _any = np.logical_or.reduce
 
+#: Up to this many rows spanning several blocks, :meth:`ShardAppends._slots` takes each row's
+#: slots in one broadcast; more go in one pass over all tokens.
+_LONG_ROWS_MAX = 4
+
 
 class ShardAppends:
     """Appends and metadata; a mixin of :class:`~akv.core.shard_state.ShardState` (uses its attributes)."""
@@ -280,15 +284,21 @@ class ShardAppends:
         ``qsl[i]``. Rows of a few tokens are done together, one gather for all
         their tokens; a row spanning several blocks (a prefill) takes its
         blocks' slots in one broadcast per row, so its cost per token is one
-        write, not a dozen numpy passes over ``(tokens,)`` index arrays.
+        write, not a dozen numpy passes over ``(tokens,)`` index arrays. More
+        than :data:`_LONG_ROWS_MAX` such rows (many short prefills) go in the
+        one pass over all tokens instead: a Python step per row would cost more.
         O(tokens + blocks).
         """
         bs, table = self.block_size, self.tables.array
         total = int(qsl[-1])
         if total == len(rows):  # one new token per row
             return table[rows, starts // bs].astype(np.int64) * bs + starts % bs
-        slots = np.empty(total, dtype=np.int64)
         long = lens >= 2 * bs
+        if np.count_nonzero(long) > _LONG_ROWS_MAX:  # one pass over every token
+            row_of = np.repeat(np.arange(len(rows)), lens)
+            pos = starts[row_of] + (np.arange(total) - qsl[row_of])
+            return table[rows[row_of], pos // bs].astype(np.int64) * bs + pos % bs
+        slots = np.empty(total, dtype=np.int64)
         short = np.flatnonzero(~long)
         if len(short):
             n = lens[short]
