@@ -56,7 +56,7 @@ class BlockRefs:
         state = self._state
         s = state[idx]
         active = s == ACTIVE
-        if not active.all():
+        if np.count_nonzero(active) < len(active):
             self._incref_leaving(np.unique(idx[~active]).tolist())
         repeats = len(idx) > 1 and not (_distinct(idx) if distinct is None else distinct)
         if hit and self._keyed is not None:
@@ -282,4 +282,4 @@ def _distinct(idx: np.ndarray) -> bool:
     if len(idx) < 2:
         return True
     s = np.sort(idx)
-    return not (s[1:] == s[:-1]).any()
+    return not np.count_nonzero(s[1:] == s[:-1])

@@ -178,7 +178,7 @@ class BlockTables:
         """
         batch = len(rows)
         stale = self.stale[rows]
-        if stale.any():
+        if np.count_nonzero(stale):
             first = np.where(stale, 0, first)
             last = np.where(stale, self.lens[rows] - 1, last)
             self.stale[rows] = False

@@ -36,10 +36,6 @@ class Checked:
     single_appends: bool = False
 
 
-#: ``_all(mask)``: every element true (``ndarray.all`` without its Python-level wrapper).
-_all = np.logical_and.reduce
-
-
 class ShardChecks:
     """Validation and invariant checks; a mixin of :class:`~akv.core.shard_state.ShardState` (uses its attributes)."""
 
@@ -122,7 +118,7 @@ class ShardChecks:
             return None
         t = self.tables
         totals = t.num_computed[rows] + add
-        if _all(totals <= t.num_tokens[rows]):
+        if not np.count_nonzero(totals > t.num_tokens[rows]):  # (count_nonzero: 0.2 us, .all(): 1.1 us)
             return rows, add, totals
         return None
 

@@ -15,9 +15,6 @@ import numpy as np
 from akv.core.reservation import row_reserved
 from akv.core.step import StepOutcome, empty_metadata
 
-#: ``_any(mask)``: some element true (``ndarray.any`` without its Python-level wrapper).
-_any = np.logical_or.reduce
-
 #: Up to this many rows spanning several blocks, :meth:`ShardAppends._slots` takes each row's
 #: slots in one broadcast; more go in one pass over all tokens.
 _LONG_ROWS_MAX = 4
@@ -112,7 +109,7 @@ class ShardAppends:
         cols, offsets = np.divmod(pos, bs)
         new_block = offsets == 0
         # Shared tails come only from forks (``_fork`` counts them): with none in the table, skip the per-row flags.
-        any_shared = bool(self.counters.forks) and bool(_any(tables.shared_tail))
+        any_shared = bool(self.counters.forks) and bool(np.count_nonzero(tables.shared_tail))
         maybe_shared = np.flatnonzero(tables.shared_tail[rows] & ~new_block).tolist() if any_shared else []
         num_new = int(np.count_nonzero(new_block))
         released = 0  # earmarked blocks this batch takes or gives back
@@ -242,7 +239,7 @@ class ShardAppends:
             batch = len(rows)
             if not updates:
                 out.block_tables = tables.gather(rows, int(tables.lens[rows].max()))
-            elif _any(tables.stale[rows]):
+            elif np.count_nonzero(tables.stale[rows]):  # (count_nonzero: 0.2 us, .any(): 1.1 us)
                 out.block_table_updates = tables.updates(rows, cols, cols)
             else:  # one entry per row, all known: the column and block of its new token
                 out.block_table_updates = entries = np.empty((batch, 3), dtype=np.int32)

@@ -124,7 +124,7 @@ class SegmentedOrder(HitCounts):
         if self._tick + len(offsets) > self._tick_max:
             self._compact()
         stamp = self._stamp
-        if stamp[offsets].any():
+        if np.count_nonzero(stamp[offsets]):
             b = int(offsets[np.argmax(stamp[offsets] != 0)]) + self.base
             raise ValueError(f"block {b} is already in the eviction order")
         hit = self.hits[offsets] != 0
@@ -184,12 +184,12 @@ class SegmentedOrder(HitCounts):
                 h += len(chunk)
                 off = chunk & mask
                 live = stamp[off] == chunk
-                if not live.all():
+                if np.count_nonzero(live) < len(live):
                     chunk, off = chunk[live], off[live]
                     stale += len(live) - len(off)
                 if skip:
                     keep = held[off] if held is not None else _members(off + base, skip)
-                    if keep.any():
+                    if np.count_nonzero(keep):
                         kept.append(chunk[keep])
                         off = off[~keep]
                 stamp[off] = 0
