@@ -45,11 +45,11 @@ from akv.errors import (
     WrongTask,
 )
 from akv.manager_events import ManagerEvents
-from akv.manager_input import step_attributes, step_request
+from akv.manager_input import metadata_options, step_attributes, step_request
 from akv.manager_nesting import check_exit_order, entered
 from akv.manager_parts import apply_parts
 from akv.manager_queries import ManagerQueries
-from akv.manager_results import metrics_snapshot, step_result
+from akv.manager_results import metrics_snapshot, result_attributes, step_result
 from akv.manager_sequence_move import SequenceMoves
 from akv.manager_sequences import SequenceCalls
 from akv.manager_snapshot import ManagerSnapshots
@@ -328,6 +328,7 @@ class KVCacheManager(SequenceCalls, ManagerQueries, ManagerEvents, ManagerSnapsh
         appends: Mapping[Hashable, Any] | None = None,
         admits: Iterable[Admit] = (),
         want_metadata: bool = True,
+        block_tables: str = "full",
     ) -> StepResult:
         """Apply one scheduler step: frees, commits, forks, appends, admissions (in that order).
 
@@ -355,6 +356,9 @@ class KVCacheManager(SequenceCalls, ManagerQueries, ManagerEvents, ManagerSnapsh
             admits: :class:`Admit` items (prompt as 1-D ints).
             want_metadata: Build block tables and slot mapping: a bool
                 (``numpy.bool_`` is accepted and made ``bool``).
+            block_tables: ``"full"`` (padded tables in ``block_tables``) or
+                ``"updates"`` (for a runner that keeps its own tables: only the
+                changed entries, in ``block_table_updates``; see :class:`~akv.results.StepResult`).
 
         Returns:
             :class:`~akv.results.StepResult` for the model runner.
@@ -364,15 +368,14 @@ class KVCacheManager(SequenceCalls, ManagerQueries, ManagerEvents, ManagerSnapsh
             InvalidInput: An id or namespace that is not a plain value, a
                 collection or mapping that is not one or raises while read,
                 bad commit counts, empty appends, a ``want_metadata`` that is
-                neither ``bool`` nor ``numpy.bool_`` (nothing applied).
+                neither ``bool`` nor ``numpy.bool_``, a ``block_tables`` that is
+                neither ``"full"`` nor ``"updates"`` (nothing applied).
             UnknownSequence: A commit, fork or append names no live sequence.
             DuplicateSequence: An admission or fork child id is already live.
             ActorCrashed, ManagerClosed: The manager is not running.
         """
         self._check_running()
-        if not isinstance(want_metadata, (bool, np.bool_)):
-            raise InvalidInput(f"want_metadata must be a bool, got {describe(want_metadata)}")
-        want_metadata = bool(want_metadata)
+        want_metadata, updates = metadata_options(want_metadata, block_tables)
         with self._tracer.span("akv.step") as span:
             t0 = time.perf_counter()
             result = await self._step(
@@ -384,19 +387,11 @@ class KVCacheManager(SequenceCalls, ManagerQueries, ManagerEvents, ManagerSnapsh
                 appends=appends,
                 admits=admits,
                 want_metadata=want_metadata,
+                block_table_updates=updates,
             )
             self._metrics.step_latency_s.observe(time.perf_counter() - t0)
             if span.is_recording():
-                span.set_attributes(
-                    {
-                        "akv.scheduled": len(result.seq_ids),
-                        "akv.rejected": len(result.rejected),
-                        "akv.freed": len(result.freed),
-                        "akv.evicted_blocks": result.evicted_blocks,
-                        "akv.copy_blocks": sum(t.num_blocks for t in result.copies.tickets),
-                        "akv.copy_bytes": result.copies.nbytes,
-                    }
-                )
+                span.set_attributes(result_attributes(result))
             return result
 
     async def _step(self, span: Any, *, want_metadata: bool, **arguments: Any) -> StepResult:

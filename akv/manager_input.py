@@ -32,6 +32,7 @@ def step_request(
     admits: Iterable[Admit],
     want_metadata: bool,
     vocab_size: int,
+    block_table_updates: bool = False,
 ) -> StepRequest:
     """Validate and convert the arguments of :meth:`~akv.manager.KVCacheManager.step`.
 
@@ -40,6 +41,7 @@ def step_request(
             for :meth:`~akv.manager.KVCacheManager.step` (``want_metadata``
             already checked to be a bool).
         vocab_size: Token ids must lie in ``[0, vocab_size)``.
+        block_table_updates: ``block_tables="updates"`` was asked for (checked by the caller).
 
     Returns:
         A :class:`~akv.core.step.StepRequest` the manager owns: plain ids,
@@ -54,24 +56,47 @@ def step_request(
     """
     if commits is None and appends is None and empty_tuple(admits) and empty_tuple(forks) and empty_tuple(preempted):
         # Frees only (a serving stack's end-of-request call): nothing else to validate.
-        return StepRequest(frees=tuple(ids(frees, "frees")), want_metadata=want_metadata)
-    frees = ids(frees, "frees")
-    preempted = frozenset(ids(preempted, "preempted"))
+        return StepRequest(
+            frees=tuple(ids(frees, "frees")), want_metadata=want_metadata, block_table_updates=block_table_updates
+        )
+    # Arguments left at their default ``()`` skip their checks (a decode step passes only commits and appends).
+    frees = () if empty_tuple(frees) else tuple(ids(frees, "frees"))
+    preempted = frozenset() if empty_tuple(preempted) else frozenset(ids(preempted, "preempted"))
     commits = commit_counts(mapping(commits, "commits"))
     appends = mapping(appends, "appends", commits)
     appends_arr = decode_tokens(appends, vocab_size)
     if appends_arr is None:
         appends_arr = {seq_id: append_tokens(seq_id, tokens, vocab_size) for seq_id, tokens in appends.items()}
-    admits_arr = _admits(admits, vocab_size)
     return StepRequest(
-        frees=(*frees, *preempted),
+        frees=(*frees, *preempted) if preempted else frees,
         preempted=preempted,
         commits=commits,
-        forks=_forks(forks),
+        forks=() if empty_tuple(forks) else _forks(forks),
         appends=appends_arr,
-        admits=admits_arr,
+        admits=() if empty_tuple(admits) else _admits(admits, vocab_size),
         want_metadata=want_metadata,
+        block_table_updates=block_table_updates,
     )
+
+
+def metadata_options(want_metadata: Any, block_tables: Any) -> tuple[bool, bool]:
+    """The metadata options of :meth:`~akv.manager.KVCacheManager.step`, checked.
+
+    Args:
+        want_metadata: A ``bool`` or ``numpy.bool_``.
+        block_tables: ``"full"`` or ``"updates"``.
+
+    Returns:
+        ``(want_metadata, block_table_updates)`` as two bools.
+
+    Raises:
+        InvalidInput: Either is anything else.
+    """
+    if not isinstance(want_metadata, (bool, np.bool_)):
+        raise InvalidInput(f"want_metadata must be a bool, got {describe(want_metadata)}")
+    if type(block_tables) is not str or block_tables not in ("full", "updates"):
+        raise InvalidInput(f'block_tables must be "full" or "updates", got {describe(block_tables)}')
+    return bool(want_metadata), block_tables == "updates"
 
 
 def _admits(admits: Iterable[Admit], vocab_size: int) -> list[Admit]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from akv.actors.shard_snapshot import COUNTER_NAMES, ShardSnapshot
@@ -26,19 +25,22 @@ def step_result(outcome: StepOutcome, tickets: list) -> StepResult:
     Args:
         outcome: The step's outcome; its numpy metadata arrays are wrapped
             without a copy (``torch.from_numpy``: int32 block tables
-            ``[rows, width]``, context lengths ``[rows]``, int32 query start
+            ``[rows, width]`` or their int32 updates ``[entries, 3]``, context lengths ``[rows]``, int32 query start
             locations ``[rows + 1]``, slot mapping ``[tokens]``).
         tickets: The copy tickets the step submitted (may be empty).
 
     Returns:
         The step's result; ``copies`` completes when every ticket has run.
     """
+    tables, updates, lens = outcome.block_tables, outcome.block_table_updates, outcome.context_lens
+    qsl, slots = outcome.query_start_loc, outcome.slot_mapping
     return StepResult(
         seq_ids=tuple(outcome.seq_ids),
-        block_tables=_tensor(outcome.block_tables),
-        context_lens=_tensor(outcome.context_lens),
-        query_start_loc=_tensor(outcome.query_start_loc),
-        slot_mapping=_tensor(outcome.slot_mapping),
+        block_tables=None if tables is None else _from_numpy(tables),
+        block_table_updates=None if updates is None else _from_numpy(updates),
+        context_lens=None if lens is None else _from_numpy(lens),
+        query_start_loc=None if qsl is None else _from_numpy(qsl),
+        slot_mapping=None if slots is None else _from_numpy(slots),
         cached_tokens=outcome.cached_tokens,
         rejected=outcome.rejected,
         copies=CopyCompletion(tickets) if tickets else NO_COPIES,
@@ -47,9 +49,20 @@ def step_result(outcome: StepOutcome, tickets: list) -> StepResult:
     )
 
 
-def _tensor(array: np.ndarray | None) -> torch.Tensor | None:
-    """``array`` as a tensor sharing its memory, or None."""
-    return None if array is None else torch.from_numpy(array)
+def result_attributes(result: StepResult) -> dict[str, int]:
+    """Span attributes of a step's result: rows scheduled, rejected, freed; blocks evicted and copied; bytes copied."""
+    return {
+        "akv.scheduled": len(result.seq_ids),
+        "akv.rejected": len(result.rejected),
+        "akv.freed": len(result.freed),
+        "akv.evicted_blocks": result.evicted_blocks,
+        "akv.copy_blocks": sum(t.num_blocks for t in result.copies.tickets),
+        "akv.copy_bytes": result.copies.nbytes,
+    }
+
+
+#: ``_from_numpy(array)``: a tensor sharing the array's memory.
+_from_numpy = torch.from_numpy
 
 
 def cache_stats(

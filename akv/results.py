@@ -75,8 +75,21 @@ class StepResult:
             ``ceil(context_len / block_size)`` blocks, padded with the null
             block id (``kv.null_block_id == config.num_blocks``: a block the
             storage holds past the usable ones, never allocated; reading it
-            or writing garbage into it touches no sequence's K/V).
-        context_lens: int32 ``(batch,)``: tokens per sequence including this
+            or writing garbage into it touches no sequence's K/V). None when
+            the step asked for ``block_tables="updates"``.
+        block_table_updates: With ``block_tables="updates"`` (else None):
+            int32 ``(num_entries, 3)``, each entry ``(row, column, block_id)``,
+            for a runner that keeps its own copy of each sequence's block table
+            (vLLM's model runner keeps one and applies each step's new block
+            ids). Writing them in (``table[slot_of[row], column] = block_id``)
+            makes its rows equal to ``block_tables`` up to each row's
+            ``ceil(context_len / block_size)`` blocks (past them: its own
+            padding), provided it applied every earlier step's updates. A
+            row's entries are the columns its new tokens fall in (a decode
+            step: one per row), or its whole table when the runner may not
+            hold it (a sequence admitted or forked since it was last
+            scheduled with metadata, or one a step changed without metadata).
+            Entries are grouped by row, in row order, columns ascending.: int32 ``(batch,)``: tokens per sequence including this
             step's new ones.
         query_start_loc: int32 ``(batch + 1,)``: row ``i``'s new tokens are
             ``slot_mapping[query_start_loc[i]:query_start_loc[i+1]]``.
@@ -98,6 +111,7 @@ class StepResult:
 
     seq_ids: tuple[Hashable, ...] = ()
     block_tables: torch.Tensor | None = None
+    block_table_updates: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
     query_start_loc: torch.Tensor | None = None
     slot_mapping: torch.Tensor | None = None

@@ -20,6 +20,17 @@ Mapping of the harness's calls onto akv (each is one ``kv.step`` message):
   token and appends its newest one (allocating its slot, a new block at a
   block boundary, copy-on-write if shared).
 - ``finish(seqs)``: one step freeing the sequences (idempotent).
+
+Block tables: the adapter asks for ``block_tables="updates"``, the entries that
+changed (a decode step: one per row; an admission: its whole table), as a
+runner that keeps its own block tables does: vLLM's model runner keeps a
+``BlockTable`` per request and applies each step's ``new_block_ids``, and
+SGLang's ``alloc_for_decode`` writes one slot per sequence into the
+``req_to_token`` pool the runner reads. (Before this adapter took the option,
+akv built the batch's whole padded tables every step, 30 rows of up to 7,600
+blocks on the conversation trace; ``block_tables="full"``, the manager's
+default, still does.) Slot mappings, context lengths and query start
+locations are built every step either way.
 """
 
 from __future__ import annotations
@@ -63,7 +74,7 @@ class AkvAdapter:
         """Admit new sequences in one step; return their cached prompt tokens."""
         result = await self.kv.step(
             admits=[Admit(seq_id=s.rid, prompt=s.prompt, prefill_done=True) for s in seqs],
-            want_metadata=True,
+            block_tables="updates",
         )
         hits = []
         for s in seqs:
@@ -77,7 +88,7 @@ class AkvAdapter:
         """One decode step for every running sequence."""
         appends = {s.rid: s.handle for s in seqs}
         commits = {s.rid: 1 for s in seqs if s.decoded}
-        result = await self.kv.step(commits=commits, appends=appends, want_metadata=True)
+        result = await self.kv.step(commits=commits, appends=appends, block_tables="updates")
         if result.rejected:
             raise next(iter(result.rejected.values()))
         for s, tok in zip(seqs, tokens):

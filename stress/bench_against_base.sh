@@ -6,7 +6,8 @@
 set -u
 out=${1:-/tmp/b14}; mkdir -p "$out"
 export OMP_NUM_THREADS=1
-PY=$(realpath "${PY:-.peers-venv/bin/python}")
+PY=${PY:-.peers-venv/bin/python}
+PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")  # absolute, links kept: a venv's python is a link to its base one
 BASE=${BASE:?set BASE to a worktree of the base commit, e.g. git worktree add /tmp/base 0a4c218}
 T=$(realpath ../shared/traces/mooncake_conversation.jsonl)
 ROOT=$(pwd)

@@ -14,6 +14,13 @@ time, at admission, rather than every freed row in the freeing step), so the
 padding past a live row's length is always the pad value; a free row's
 contents are stale.
 
+A runner that keeps its own copy of the tables (vLLM's model runner keeps a
+``BlockTable`` and applies each step's new block ids) asks for the step's
+changes instead of the whole padded table (:meth:`BlockTables.updates`): the
+entries of the columns the step's tokens fall in, and the whole row of a
+sequence the runner may not hold yet (:attr:`BlockTables.stale`: a row just
+handed out, or one a step changed without returning metadata).
+
 The pad value is the null block id (the manager's ``null_block_id``, which is
 ``num_blocks``: one block past the usable ones, never allocated), vLLM's
 convention of padding block tables with a reserved null block: a kernel that
@@ -50,6 +57,10 @@ class BlockTables:
         cow_reserved: bool ``(row_capacity,)``: one block is earmarked for the
             copy-on-write copy of the row's shared partial tail (set by a fork
             of a reserved row, cleared once the row writes its tail).
+        stale: bool ``(row_capacity,)``: a runner that mirrors the tables may
+            not hold this row's current entries (set when the row is handed
+            out and when a step changes it without returning metadata; cleared
+            once :meth:`updates` returned the whole row).
     """
 
     __slots__ = (
@@ -64,6 +75,7 @@ class BlockTables:
         "num_tokens",
         "pad",
         "shared_tail",
+        "stale",
     )
 
     def __init__(self, rows: int = 64, cols: int = 64, pad: int = 0) -> None:
@@ -75,6 +87,7 @@ class BlockTables:
         self.shared_tail = np.zeros(rows, dtype=bool)
         self.max_tokens = np.zeros(rows, dtype=np.int64)
         self.cow_reserved = np.zeros(rows, dtype=bool)
+        self.stale = np.zeros(rows, dtype=bool)
         self._free_rows: list[int] = []
         self._next_row = 0
         self._cols = np.arange(cols)  # column indices, for masks in release_many
@@ -97,6 +110,7 @@ class BlockTables:
             self._next_row += 1
             if row >= self.array.shape[0]:
                 self._resize(2 * self.array.shape[0], self.array.shape[1])
+        self.stale[row] = True
         return BlockTableRow(self, row)
 
     def release_many(self, rows: list[int]) -> np.ndarray:
@@ -143,6 +157,46 @@ class BlockTables:
             return out
         return self.array[rows, :width]
 
+    def updates(self, rows: np.ndarray, first: np.ndarray, last: np.ndarray) -> np.ndarray:
+        """The entries a runner's mirror of the tables needs for ``rows``: ``(index, column, block id)`` triples.
+
+        For each ``rows[i]``, columns ``first[i] .. last[i]`` (the columns
+        this step's tokens fall in), or its whole table ``0 .. lens - 1`` if
+        the row is :attr:`stale` (which this clears): written into a copy
+        that held the row's entries as of the last update, they make it equal
+        to the row's current entries (columns past them are the runner's
+        padding).
+
+        Args:
+            rows: intp ``(batch,)`` distinct live rows.
+            first: int ``(batch,)`` first column of each row's entries.
+            last: int ``(batch,)`` last column of each row's entries (``>= first``).
+
+        Returns:
+            int32 ``(num_entries, 3)``: row index ``i`` into ``rows``, column,
+            block id; rows in order, columns ascending. O(batch + num_entries).
+        """
+        batch = len(rows)
+        stale = self.stale[rows]
+        if np.count_nonzero(stale):
+            first = np.where(stale, 0, first)
+            last = np.where(stale, self.lens[rows] - 1, last)
+            self.stale[rows] = False
+        counts = last - first + 1
+        total = int(counts.sum())
+        out = np.empty((total, 3), dtype=np.int32)
+        if total == batch:  # one entry per row: a decode step's
+            index, cols = np.arange(batch), first
+        else:
+            index = np.repeat(np.arange(batch), counts)
+            starts = np.zeros(batch, dtype=np.int64)
+            np.cumsum(counts[:-1], out=starts[1:])
+            cols = first[index] + (np.arange(total) - starts[index])
+        out[:, 0] = index
+        out[:, 1] = cols
+        out[:, 2] = self.array[rows[index], cols]
+        return out
+
     def ensure_cols(self, cols: int) -> None:
         """Grow the column capacity to at least ``cols`` blocks."""
         if cols > self.array.shape[1]:
@@ -155,7 +209,7 @@ class BlockTables:
         self.array = grown
         self._cols = np.arange(cols)
         if rows > r:
-            for name in ("lens", "num_tokens", "num_computed", "shared_tail", "max_tokens", "cow_reserved"):
+            for name in ("lens", "num_tokens", "num_computed", "shared_tail", "max_tokens", "cow_reserved", "stale"):
                 old = getattr(self, name)
                 new = np.zeros(rows, dtype=old.dtype)
                 new[:r] = old

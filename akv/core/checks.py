@@ -25,11 +25,14 @@ class Checked:
     Attributes:
         commit_rows: intp ``(len(commits),)`` rows of the committed sequences, in order.
         commit_counts: int64 ``(len(commits),)`` tokens committed.
+        commit_totals: int64 ``(len(commits),)`` each row's committed tokens
+            once the step's commits are applied (the validation computed them).
         single_appends: Every append is one ``int`` token (a decode batch).
     """
 
     commit_rows: np.ndarray | None = None
     commit_counts: np.ndarray | None = None
+    commit_totals: np.ndarray | None = None
     single_appends: bool = False
 
 
@@ -57,14 +60,15 @@ class ShardChecks:
         if req.frees_only:
             return Checked()  # unknown ids are no-ops
         seqs = self.sequences
-        freed = {s for s in req.frees if s in seqs}
+        freed = {s for s in req.frees if s in seqs} if req.frees else set()
         checked = Checked()
         if req.commits:
             found = self._commits_ok(req.commits, freed)
             if found is None:
                 self._validate_commits(req.commits, freed)
-                found = self._commit_arrays(req.commits)
-            checked.commit_rows, checked.commit_counts = found
+                rows, add = self._commit_arrays(req.commits)
+                found = rows, add, self.tables.num_computed[rows] + add
+            checked.commit_rows, checked.commit_counts, checked.commit_totals = found
         created: set = set()
 
         swapped = self.swapped  # swapped-out ids are not live, but stay taken (akv.core.swap)
@@ -88,7 +92,11 @@ class ShardChecks:
         appends = req.appends
         if appends:
             keys = appends.keys()
-            unknown = ((keys - seqs.keys()) | (keys & freed)) - created
+            unknown = keys - seqs.keys()
+            if freed:
+                unknown |= keys & freed
+            if created:
+                unknown -= created
             checked.single_appends = single = set(map(type, appends.values())) == {int}
             if unknown or not single:
                 for seq_id, tokens in appends.items():
@@ -104,8 +112,8 @@ class ShardChecks:
                 raise InvalidInput(f"empty prompt for sequence {adm.seq_id!r}")
         return checked
 
-    def _commits_ok(self, commits, freed: set) -> tuple[np.ndarray, np.ndarray] | None:
-        """Vectorized commit check: all ids live, all counts ints within range; their rows and counts, or None."""
+    def _commits_ok(self, commits, freed: set) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Vectorized commit check: all ids live, all counts ints within range; their rows, counts and new totals, or None."""
         counts = commits.values()
         if (freed and not freed.isdisjoint(commits)) or set(map(type, counts)) != {int} or min(counts) < 0:
             return None
@@ -114,8 +122,9 @@ class ShardChecks:
         except (KeyError, OverflowError):  # an unknown id, a count beyond int64: the per-item check words the error
             return None
         t = self.tables
-        if (t.num_computed[rows] + add <= t.num_tokens[rows]).all():
-            return rows, add
+        totals = t.num_computed[rows] + add
+        if not np.count_nonzero(totals > t.num_tokens[rows]):  # (count_nonzero: 0.2 us, .all(): 1.1 us)
+            return rows, add, totals
         return None
 
     def _commit_arrays(self, commits) -> tuple[np.ndarray, np.ndarray]:

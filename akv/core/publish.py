@@ -50,42 +50,53 @@ class ShardPublishing:
 
     def _commit(self, commits, checked: Checked, publishing: PendingPublish) -> None:
         """Add committed token counts (vectorized); queue the publishing of newly full blocks."""
-        ids = list(commits)
-        rows, add = checked.commit_rows, checked.commit_counts
-        computed = self.tables.num_computed
-        old = computed[rows]
-        new = old + add
-        computed[rows] = new
+        rows, add, new = checked.commit_rows, checked.commit_counts, checked.commit_totals
+        self.tables.num_computed[rows] = new
         if not self.enable_prefix_cache:
             return
-        bs, seqs = self.block_size, self.sequences
-        single: list[tuple[Sequence, int]] = []  # (sequence, index of its one newly full block)
-        single_rows: list[int] = []
-        for i in np.flatnonzero(new // bs > old // bs).tolist():
+        bs, seqs, ids = self.block_size, self.sequences, None
+        single: list[tuple[Sequence, int, int]] = []  # (sequence, its row, index of its one newly full block)
+        # A row filled a block iff its new total's offset in its block is below what it added.
+        for i in ((new % bs) < add).nonzero()[0].tolist():
+            if ids is None:
+                ids = list(commits)
             seq = seqs[ids[i]]
-            full = int(new[i]) // bs
+            full = new.item(i) // bs
             if seq.publish_stopped or full <= seq.num_published:
                 continue
             if full == seq.num_published + 1:  # the decode case: one block just filled
-                single.append((seq, full - 1))
-                single_rows.append(int(rows[i]))
+                single.append((seq, rows.item(i), full - 1))
             else:
                 self._queue_publish(seq, publishing)
         if single:
-            self._queue_publish_single(single, single_rows, publishing)
+            self._queue_publish_single(single, publishing)
 
-    def _queue_publish_single(self, single: list, rows: list[int], publishing: PendingPublish) -> None:
-        """Queue the publishing of each sequence's one newly full block: one tree call, keys cut from one gather."""
-        tables = self.tables
-        cols = np.fromiter((c for _, c in single), dtype=np.intp, count=len(single))
-        r = np.array(rows, dtype=np.intp)
-        blocks = tables.array[r, cols]
-        parents = tables.array[r, np.maximum(cols - 1, 0)].tolist()
-        raw = self.block_tokens[blocks.astype(np.intp) - self.pool.first_block_id].tobytes()
-        width = 4 * self.block_size
+    def _queue_publish_single(self, single: list, publishing: PendingPublish) -> None:
+        """Queue the publishing of each sequence's one newly full block, for one tree call.
+
+        ``single`` holds ``(sequence, row, column)`` per block. A decode step
+        fills about batch / block_size blocks: up to :data:`_SCALAR_SINGLES`
+        of them are read with scalar reads of the table and one ``tobytes``
+        each (a gather costs half a dozen numpy calls, 1-2 us each), more with
+        one gather of their ids and parents and one of their tokens.
+        """
+        table, tokens, base = self.tables.array, self.block_tokens, self.pool.first_block_id
         shard = self.shard_index
         items, entries = publishing.singles, publishing.entries
-        for j, ((seq, col), block) in enumerate(zip(single, blocks.tolist())):
+        if len(single) <= _SCALAR_SINGLES:
+            for seq, row, col in single:
+                block = table.item(row, col)
+                parent = table.item(row, col - 1) if col else None
+                items.append(((shard, seq.namespace), parent, tokens[block - base].tobytes(), block))
+                entries.append((seq, col, [block]))
+            return
+        r = np.fromiter((row for _, row, _ in single), dtype=np.intp, count=len(single))
+        cols = np.fromiter((col for _, _, col in single), dtype=np.intp, count=len(single))
+        blocks = table[r, cols]
+        parents = table[r, np.maximum(cols - 1, 0)].tolist()
+        raw = tokens[blocks.astype(np.intp) - base].tobytes()
+        width = 4 * self.block_size
+        for j, ((seq, _, col), block) in enumerate(zip(single, blocks.tolist())):
             items.append(((shard, seq.namespace), parents[j] if col else None, raw[j * width : (j + 1) * width], block))
             entries.append((seq, col, [block]))
 
@@ -134,3 +145,8 @@ class ShardPublishing:
                 marked = [b for b in dict.fromkeys(marked) if not is_published(b)]
             out.stored_block_ids.extend(marked)
             self.pool.mark_published(marked)
+
+
+#: Up to this many newly full blocks of a step, their keys are read with scalar reads (see
+#: ``ShardPublishing._queue_publish_single``).
+_SCALAR_SINGLES = 8

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Hashable, Sequence
-from itertools import pairwise
 
 import numpy as np
 
@@ -362,11 +361,12 @@ class RadixTree(RunQueries, TierMoves):
         pos = self._pos_of[safe]
         brk = np.ones(n, dtype=bool)
         brk[1:] = (nids[1:] != nids[:-1]) | (pos[1:] != pos[:-1] - 1) | (nids[1:] < 0)
-        starts = np.flatnonzero(brk).tolist()
+        first = brk.nonzero()[0]
+        starts = first.tolist()
         starts.append(n)
-        lst, nid_list, pos_list = ids.tolist(), nids.tolist(), pos.tolist()
-        for s, e in pairwise(starts):
-            if nid_list[s] >= 0 and self._truncate_tail(lst[s], nid_list[s], pos_list[s], e - s):
+        lst = block_ids if type(block_ids) is list else ids.tolist()
+        for s, e, nid, top in zip(starts, starts[1:], nids[first].tolist(), pos[first].tolist()):
+            if nid >= 0 and self._truncate_tail(lst[s], nid, top, e - s):
                 self._node_of[ids[s:e]] = -1
                 removed.extend(lst[s:e])
             else:

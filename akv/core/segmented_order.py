@@ -6,6 +6,7 @@ keys and the heap that serves every other key) to keep both files short.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Iterator
 from itertools import chain
 
@@ -26,8 +27,8 @@ class SegmentedOrder(HitCounts):
     exactly the key order, so no heap is needed. Offers the same operations
     as :class:`~akv.core.eviction_policy.KeyedOrder`.
 
-    Each segment is a FIFO of entries ``tick << shift | offset`` (a list and
-    the index of its head) with lazy invalidation: ``_stamp[offset]`` holds
+    Each segment is a FIFO of entries ``tick << shift | offset`` (an
+    ``array('q')`` and the index of its head) with lazy invalidation: ``_stamp[offset]`` holds
     the block's live entry (0 when the block is not in the order), so a hit
     only clears the stamp and the entry goes stale where it lies. Taking from
     the front slices the list at the head and checks the stamps of the slice
@@ -37,7 +38,10 @@ class SegmentedOrder(HitCounts):
     block are O(1) amortized, putting blocks back at the front O(blocks). (A
     ``dict`` per segment, its former form, made taking from the front scan
     the slots of keys deleted since its last resize: 57 us per 200-block call
-    on the conversation trace at 83,576 blocks.)
+    on the conversation trace at 83,576 blocks. A ``list`` per segment, the
+    form after it, held a Python int object per entry, which numpy converted
+    one by one on every take; an ``array('q')`` holds the entries as int64,
+    which numpy reads in place and writes in one copy.)
 
     Args:
         first_block_id: Lowest block id of the pool.
@@ -47,6 +51,7 @@ class SegmentedOrder(HitCounts):
     __slots__ = (
         "_from_deferred",
         "_heads",
+        "_held",
         "_lanes",
         "_mask",
         "_shift",
@@ -66,13 +71,14 @@ class SegmentedOrder(HitCounts):
         #: int64 ``(num_blocks,)``: each block's live entry, 0 when it is not in the order.
         self._stamp = np.zeros(num_blocks, dtype=np.int64)
         #: Probationary, protected and deferred (evict-last) segments, oldest first.
-        self._lanes: tuple[list[int], list[int], list[int]] = ([], [], [])
+        self._lanes: tuple[array, array, array] = (array("q"), array("q"), array("q"))
         self._heads = [0, 0, 0]  # index of each segment's first entry not taken yet
         self._tick = 1  # the next entry's tick; from 1, so no entry is 0
         self._tick_max = (1 << (62 - self._shift)) - num_blocks  # then renumber (see _compact), so entries fit int64
         self._size = 0
         self._stale = 0
         self._from_deferred: set[int] | tuple = ()  # blocks the last pop_first took from the evict-last lane
+        self._held: np.ndarray | None = None  # scratch bool (num_blocks,) for pop_first's skip, made on first use
 
     def __len__(self) -> int:
         return self._size
@@ -118,7 +124,7 @@ class SegmentedOrder(HitCounts):
         if self._tick + len(offsets) > self._tick_max:
             self._compact()
         stamp = self._stamp
-        if stamp[offsets].any():
+        if np.count_nonzero(stamp[offsets]):
             b = int(offsets[np.argmax(stamp[offsets] != 0)]) + self.base
             raise ValueError(f"block {b} is already in the eviction order")
         hit = self.hits[offsets] != 0
@@ -127,7 +133,7 @@ class SegmentedOrder(HitCounts):
                 entries = np.arange(self._tick, self._tick + len(off), dtype=np.int64) << self._shift | off
                 self._tick += len(off)
                 stamp[off] = entries
-                lane.extend(entries.tolist())
+                lane.frombytes(entries.tobytes())
         self._size += len(offsets)
 
     def __delitem__(self, block_id: int) -> None:
@@ -150,45 +156,72 @@ class SegmentedOrder(HitCounts):
     def pop_first(self, max_blocks: int, skip) -> list[int]:
         """Take up to ``max_blocks`` blocks from the evict-first end; blocks in ``skip`` keep their place.
 
-        Chunks of each lane are taken with numpy; blocks in ``skip`` found in
-        a chunk go back before the lane's new head, in their order (so they
-        keep their place ahead of everything behind them).
+        Each segment is taken from in slices of the blocks still wanted, each
+        checked with numpy (live entries, then ``skip`` through a mask over the
+        pool's offsets), so a pass costs a few numpy calls per slice, not a
+        Python step per block; skipped blocks go back just before the new head,
+        in order, where they were. O(taken + stale + skipped + len(skip)).
+
+        Args:
+            max_blocks: Blocks to take at most.
+            skip: Block ids to leave in place (a sized collection, such as
+                a set or a dict, read once into a mask; ids outside the pool
+                ignored).
+
+        Returns:
+            The taken block ids, evict-first first.
         """
         mask, stamp, heads, base = self._mask, self._stamp, self._heads, self.base
-        skip_off = np.fromiter(skip, dtype=np.int64, count=len(skip)) - base if skip else None
+        held, marked = self._skip_mask(skip) if skip else (None, None)
         parts: list[np.ndarray] = []
         taken = stale = 0
         self._from_deferred = ()
         for li, lane in enumerate(self._lanes):
             h = heads[li]
-            kept: list[int] = []
+            kept: list[np.ndarray] = []
             while taken < max_blocks and h < len(lane):
-                chunk = np.array(lane[h : h + max_blocks - taken], dtype=np.int64)
+                chunk = np.frombuffer(lane[h : h + max_blocks - taken], dtype=np.int64)
                 h += len(chunk)
                 off = chunk & mask
                 live = stamp[off] == chunk
-                if not live.all():
+                if np.count_nonzero(live) < len(live):
                     chunk, off = chunk[live], off[live]
-                    stale += int(live.size - off.size)
-                if skip_off is not None and len(off):
-                    held = np.isin(off, skip_off)
-                    if held.any():
-                        kept += chunk[held].tolist()
-                        off = off[~held]
+                    stale += len(live) - len(off)
+                if held is not None:
+                    keep = held[off]
+                    if np.count_nonzero(keep):
+                        kept.append(chunk[keep])
+                        off = off[~keep]
                 stamp[off] = 0
                 parts.append(off)
                 taken += len(off)
                 if li == 2 and len(off):
                     self._from_deferred = {*self._from_deferred, *(off + base).tolist()}
             if kept:  # taken from just before the new head: they go back there, in order
-                h -= len(kept)
-                lane[h : h + len(kept)] = kept
+                back = array("q", (np.concatenate(kept) if len(kept) > 1 else kept[0]).tobytes())
+                h -= len(back)
+                lane[h : h + len(back)] = back
             self._advance(li, h)
+        if held is not None:
+            held[marked] = False
         self._stale -= stale
         self._size -= taken
         if not parts:
             return []
         return ((np.concatenate(parts) if len(parts) > 1 else parts[0]) + base).tolist()
+
+    def _skip_mask(self, skip) -> tuple[np.ndarray, np.ndarray]:
+        """The scratch bool mask over the pool's offsets set at the blocks of ``skip``, and those offsets.
+
+        The caller clears the mask at the offsets after use.
+        """
+        held = self._held
+        if held is None:
+            held = self._held = np.zeros(len(self._stamp), dtype=bool)
+        off = np.fromiter(skip, dtype=np.int64, count=len(skip)) - self.base
+        off = off[(off >= 0) & (off < len(held))]
+        held[off] = True
+        return held, off
 
     def restore(self, block_ids: list[int]) -> None:
         """Put blocks taken by the last :meth:`pop_first` back at the head of their segment, in their old order.
@@ -206,7 +239,7 @@ class SegmentedOrder(HitCounts):
                 entries = self._entries(front)  # first: it may compact, which moves the heads
                 h = self._heads[li]
                 start = max(h - len(entries), 0)
-                self._lanes[li][start:h] = entries
+                self._lanes[li][start:h] = array("q", entries)
                 self._heads[li] = start
 
     def defer(self, block_ids: Iterable[int]) -> None:
@@ -271,7 +304,7 @@ class SegmentedOrder(HitCounts):
             entries = [(tick + k) << shift | i for k, i in enumerate(live)]
             tick += len(live)
             stamp[live] = entries
-            lane[:] = entries
+            lane[:] = array("q", entries)
             self._heads[li] = 0
         self._tick = tick
         self._stale = 0

@@ -157,7 +157,17 @@ class ShardMap:
             shard = children[seq_id] if seq_id in children else self.owner(seq_id)
             part(shard)["appends"][seq_id] = tokens
         self._place(request, num_free, num_free if num_available is None else num_available, freed, children, part)
-        subs = [(shard, StepRequest(**parts[shard], want_metadata=request.want_metadata)) for shard in sorted(parts)]
+        subs = [
+            (
+                shard,
+                StepRequest(
+                    **parts[shard],
+                    want_metadata=request.want_metadata,
+                    block_table_updates=request.block_table_updates,
+                ),
+            )
+            for shard in sorted(parts)
+        ]
         return subs, children
 
     def _place(
@@ -213,7 +223,8 @@ class ShardMap:
 
         Returns:
             A :class:`StepOutcome`: ``seq_ids``, int32 ``block_tables``
-            ``[rows, max width]`` padded with the null block, ``context_lens``
+            ``[rows, max width]`` padded with the null block (or the parts'
+            ``block_table_updates``, their row indices made the merged rows'), ``context_lens``
             ``[rows]``, int32 ``query_start_loc`` ``[rows + 1]``, ``slot_mapping``
             ``[tokens]``, and the merged ``cached_tokens``, ``rejected``,
             ``freed`` and ``evicted_blocks`` (no ``copies``: the manager keeps
@@ -225,18 +236,21 @@ class ShardMap:
             cached.update(o.cached_tokens)
             rejected.update(o.rejected)
             freed.extend(o.freed)
-        with_meta = [o for o in outcomes if o.block_tables is not None]
-        tables = context = qsl = slots = None
+        with_meta = [o for o in outcomes if o.context_lens is not None]
+        tables = updates = context = qsl = slots = None
         if with_meta:
-            seq_ids, tables, context, qsl, slots = self._merge_metadata(with_meta, seq_ids, order)
+            seq_ids, tables, updates, context, qsl, slots = self._merge_metadata(with_meta, seq_ids, order)
         else:
             position = {seq_id: i for i, seq_id in enumerate(seq_ids)}
             seq_ids = [x for x in order if x in position]
-        if want_metadata and tables is None:  # no shard scheduled anything: empty, as one shard gives
+        if want_metadata and context is None:  # no shard scheduled anything: empty, as one shard gives
             tables, context, qsl, slots = empty_metadata()
+            if any(o.block_table_updates is not None for o in outcomes):
+                tables, updates = None, np.zeros((0, 3), dtype=np.int32)
         return StepOutcome(
             seq_ids=seq_ids,
             block_tables=tables,
+            block_table_updates=updates,
             context_lens=context,
             query_start_loc=qsl,
             slot_mapping=slots,
@@ -248,13 +262,20 @@ class ShardMap:
 
     def _merge_metadata(self, with_meta: list[StepOutcome], seq_ids: list, order: Sequence[Hashable]) -> tuple:
         """Concatenate the parts' metadata arrays and permute the rows (and their slots) into ``order``."""
-        width = max(o.block_tables.shape[1] for o in with_meta)
-        tables = np.full((sum(o.block_tables.shape[0] for o in with_meta), width), self._null_block_id, dtype=np.int32)
-        row = 0
-        for o in with_meta:
-            b, w = o.block_tables.shape
-            tables[row : row + b, :w] = o.block_tables
-            row += b
+        tables = updates = None
+        if with_meta[0].block_tables is not None:
+            width = max(o.block_tables.shape[1] for o in with_meta)
+            rows = sum(o.block_tables.shape[0] for o in with_meta)
+            tables = np.full((rows, width), self._null_block_id, dtype=np.int32)
+            row = 0
+            for o in with_meta:
+                b, w = o.block_tables.shape
+                tables[row : row + b, :w] = o.block_tables
+                row += b
+        else:
+            updates = np.concatenate([o.block_table_updates for o in with_meta])
+            firsts = np.cumsum([0] + [len(o.context_lens) for o in with_meta[:-1]])
+            updates[:, 0] += np.repeat(firsts, [len(o.block_table_updates) for o in with_meta]).astype(np.int32)
         context = np.concatenate([o.context_lens for o in with_meta])
         slots = np.concatenate([o.slot_mapping for o in with_meta])
         lens = np.concatenate([np.diff(o.query_start_loc) for o in with_meta]).astype(np.int64)
@@ -263,7 +284,14 @@ class ShardMap:
         position = {seq_id: i for i, seq_id in enumerate(seq_ids)}
         perm = np.array([position[x] for x in order if x in position], dtype=np.intp)
         seq_ids = [seq_ids[i] for i in perm]
-        tables, context, lens, starts = tables[perm], context[perm], lens[perm], starts[perm]
+        context, lens, starts = context[perm], lens[perm], starts[perm]
+        if tables is not None:
+            tables = tables[perm]
+        else:  # each entry's row becomes its row's merged position; entries stay grouped by row, columns ascending
+            new_row = np.empty(len(perm), dtype=np.int32)
+            new_row[perm] = np.arange(len(perm), dtype=np.int32)
+            updates[:, 0] = new_row[updates[:, 0]]
+            updates = updates[np.argsort(updates[:, 0], kind="stable")]
         total = int(lens.sum())
         row_of = np.repeat(np.arange(len(lens)), lens)
         offsets = np.zeros(len(lens), dtype=np.int64)
@@ -271,4 +299,4 @@ class ShardMap:
         slots = slots[starts[row_of] + (np.arange(total) - offsets[row_of])]
         qsl = np.zeros(len(lens) + 1, dtype=np.int32)
         np.cumsum(lens, out=qsl[1:])
-        return seq_ids, tables, context, qsl, slots
+        return seq_ids, tables, updates, context, qsl, slots

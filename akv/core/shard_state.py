@@ -247,7 +247,7 @@ class ShardState(
             self._free(req, out)
             if req.frees_only:
                 if req.want_metadata:
-                    self._fill_metadata(out, None, [])
+                    self._fill_metadata(out, None, [], req.block_table_updates)
                 return out
         publishing = PendingPublish()
         if req.commits:
@@ -256,7 +256,7 @@ class ShardState(
             self._publish(publishing, out)
         if req.forks:
             self._fork(req.forks, earmarks)
-        matches = self._match_admissions(req.admits)
+        matches = self._match_admissions(req.admits) if req.admits else {}
         # Prefix hits of admissions not processed yet must not be evicted to make
         # room for anything else in this step.
         protected = PendingHits()
@@ -273,7 +273,7 @@ class ShardState(
         if self.released:
             self._note_reused(out)
         if req.want_metadata:
-            self._fill_metadata(out, decoded, sched)
+            self._fill_metadata(out, decoded, sched, req.block_table_updates)
         return out
 
     def _fork(self, forks, earmarks: list[int]) -> None:

@@ -108,6 +108,9 @@ class StepRequest:
         admits: Admissions.
         want_metadata: Build block tables and slot mapping for the scheduled
             sequences (skip for pure bookkeeping calls).
+        block_table_updates: With ``want_metadata``, return the changes to
+            the scheduled rows' block tables (``StepOutcome.block_table_updates``)
+            instead of the padded tables.
     """
 
     frees: Sequence[Hashable] = ()
@@ -117,6 +120,7 @@ class StepRequest:
     appends: Mapping[Hashable, np.ndarray | int] = field(default_factory=dict)
     admits: Sequence[Admit] = ()
     want_metadata: bool = True
+    block_table_updates: bool = False
 
     @property
     def frees_only(self) -> bool:
@@ -132,7 +136,13 @@ class StepOutcome:
         seq_ids: Scheduled sequences (successful appends, then admissions), in
             the order of the metadata rows.
         block_tables: int32 ``(batch, max_blocks)`` padded with the null
-            block id beyond each row's ``ceil(context_len / block_size)`` blocks.
+            block id beyond each row's ``ceil(context_len / block_size)`` blocks
+            (None when the request asked for ``block_table_updates``).
+        block_table_updates: int32 ``(num_entries, 3)`` ``(row, column,
+            block id)`` entries to write into a runner's own copy of the
+            scheduled rows' tables (see
+            :meth:`~akv.core.block_table.BlockTables.updates`), when the request
+            asked for them; else None.
         context_lens: int32 ``(batch,)`` tokens per scheduled sequence after this step.
         query_start_loc: int32 ``(batch + 1,)`` offsets of each row's new tokens
             in ``slot_mapping`` (the flash-attention varlen convention).
@@ -176,6 +186,7 @@ class StepOutcome:
 
     seq_ids: list = field(default_factory=list)
     block_tables: np.ndarray | None = None
+    block_table_updates: np.ndarray | None = None
     context_lens: np.ndarray | None = None
     query_start_loc: np.ndarray | None = None
     slot_mapping: np.ndarray | None = None

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import array
 import operator
+import struct
 
 import numpy as np
 
@@ -14,16 +14,18 @@ from akv.errors import InvalidTokens
 def _from_int_list(tokens: list | tuple, what: str) -> np.ndarray | None:
     """int32 array of a list of ints in one C pass, or None to take the checking path.
 
-    ``array.array("i", ...)`` takes exactly the objects with ``__index__``
+    ``struct.Struct("=<n>i").pack_into`` (writing into the new array) takes exactly the objects with ``__index__``
     (ints, bools, numpy and torch integer scalars) and raises on floats,
-    strings, None and values outside int32 (which no vocabulary reaches).
-    Bools (an int subclass) can only have become 0 or 1, so only those
-    positions are looked at again. Measured on a 13.7 k-token prompt: 178 us
-    against 272 for ``array("q")`` (int64, then a conversion) and 140 for an
-    unchecked ``np.fromiter``, which truncates floats.
+    strings, None and values outside int32 (which no vocabulary reaches), as
+    ``array.array("i", ...)`` does. Bools (an int subclass) can only have
+    become 0 or 1, so only those positions are looked at again. Measured on a
+    13.7 k-token prompt (timeit, best of 7): 72 us, against 179 us for
+    ``array.array("i")`` and 177 us for ``np.array(tokens, dtype=np.int32)``
+    (100 k tokens: 540 against 1,310 us).
     """
+    arr = np.empty(len(tokens), dtype=np.int32)
     try:
-        arr = np.frombuffer(array.array("i", tokens), dtype=np.int32)
+        struct.Struct(f"={len(tokens)}i").pack_into(arr, 0, *tokens)
     except Exception:  # anything an element's __index__ raises, or an overflow: the checking path words the error
         return None
     for i in np.flatnonzero(arr <= 1).tolist():
