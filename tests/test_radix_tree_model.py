@@ -200,6 +200,13 @@ class RadixTreeMachine(RuleBasedStateMachine):
     def remove_random(self, ids: list[int]) -> None:
         assert self.tree.remove_leaves(ids) == self.model.remove_leaves(ids)
 
+    @rule(data=st.data())
+    def ancestors(self, data) -> None:
+        """The blocks above a drawn set (shared prefixes, blocks inside runs) are each path's blocks above, once."""
+        cached = sorted(self.model.parent)
+        ids = data.draw(st.lists(st.sampled_from(cached), max_size=8), label="pinned") if cached else []
+        assert self.tree.ancestors(ids) == {a for b in ids for a in self.model.path(b)[1][:-1]}
+
     @invariant()
     def agrees_with_the_model(self) -> None:
         self.tree.check()

@@ -34,7 +34,7 @@ class ShardRoom:
         if not pinned:
             return pool.num_cached - pool.num_cached_among(protected)
         tree = self.tree
-        blocked = {a for b in pinned for a in tree.path(b)[:-1]}
+        blocked = tree.ancestors(pinned)
         blocked.update(protected)
         return pool.num_cached - pool.num_cached_among(blocked)
 
@@ -119,7 +119,7 @@ class ShardRoom:
         if not pinned:
             return pool.num_cached
         tree = self.tree
-        above = {a: None for b in pinned for a in tree.path(b)[:-1]}
+        above = tree.ancestors(pinned)
         return pool.num_cached - sum(1 for b in above if pool.owns(b) and pool.state(b) == CACHED)  # device ones
 
     def _room_for_earmarks(self, num_blocks: int, out: StepOutcome) -> None:
