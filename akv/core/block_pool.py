@@ -14,12 +14,11 @@ offset, so a batch of blocks (an admission's prefix hits, a step's freed
 sequences) is updated with a few vectorized operations; Python-level work
 per block is left only where a block enters or leaves the eviction order.
 
-Complexities: allocate ``O(n)`` for ``n`` blocks, free/incref/decref ``O(1)``
-per block (vectorized), and taking a cached block out of the LRU order on a hit ``O(1)``:
-the order is an ``OrderedDict`` (a hash map threaded by a doubly linked list,
-in C), which gives what vLLM v1's ``FreeKVCacheBlockQueue`` gets from its
-intrusive list (``vllm/v1/core/kv_cache_utils.py``) at a fraction of the
-Python-level cost.
+Complexities: allocate ``O(n)`` for ``n`` blocks, free/incref/decref ``O(1)`` per
+block (vectorized), and taking a cached block out of the LRU order on a hit ``O(1)``:
+the order is an ``OrderedDict`` (a hash map threaded by a doubly linked list, in C),
+what vLLM v1's ``FreeKVCacheBlockQueue`` gets from its intrusive list
+(``vllm/v1/core/kv_cache_utils.py``) at a fraction of the Python-level cost.
 
 Other eviction policies (:mod:`akv.core.eviction_policy`) replace the
 ``OrderedDict`` with a :class:`~akv.core.eviction_policy.KeyedOrder` (a lazy
@@ -290,8 +289,9 @@ class BlockPool(BlockRefs):
 
     def pinned_published(self) -> list[int]:
         """Published blocks with refcount 0 that only a copy pin keeps (in flight); O(pinned blocks)."""
-        base, state, pub = self.first_block_id, self._state, self._published
-        return [b for b in self._copy_pins if state[b - base] == IN_FLIGHT and pub[b - base]]
+        ids = np.fromiter(self._copy_pins, dtype=np.int64, count=len(self._copy_pins))
+        off = ids - self.first_block_id
+        return ids[(self._state[off] == IN_FLIGHT) & self._published[off]].tolist()
 
     def unpin_copied(self, block_ids: Iterable[int]) -> None:
         """Release copy pins; an unreferenced block then becomes cached or free."""
