@@ -70,7 +70,8 @@ class TierCalls:
             The number of blocks brought back.
 
         Raises:
-            InvalidInput: ``seq_id`` is not a plain value.
+            InvalidInput: ``seq_id`` is not a plain value, or the manager has
+                no host tier.
             UnknownSequence: ``seq_id`` is not swapped out.
             DuplicateSequence: ``seq_id`` is live.
             PoolExhausted: Not enough device blocks even after eviction;

@@ -171,6 +171,9 @@ async def test_swapping_without_a_host_tier_is_invalid_input(tiny_config) -> Non
         await admit(kv, "a", prompt(1, blocks=1))
         with pytest.raises(InvalidInput, match="no host tier"):
             await kv.swap_out("a")
+        for seq_id in ("a", "unknown"):  # said as for swap_out, not DuplicateSequence / UnknownSequence
+            with pytest.raises(InvalidInput, match=r"cannot swap in .* no host tier"):
+                await kv.swap_in(seq_id)
         assert (await kv.sequence("a")).num_tokens == BS + 1
         await kv.check()
 

@@ -146,6 +146,7 @@ class ShardSwaps:
             The number of blocks swapped in.
 
         Raises:
+            InvalidInput: The shard has no host tier.
             UnknownSequence: ``seq_id`` is not swapped out in this shard.
             DuplicateSequence: ``seq_id`` is live.
             InvalidInput: Its swap-out copies have not completed yet.
@@ -154,6 +155,8 @@ class ShardSwaps:
                 the evictions.
             RequestTooLarge: It holds more blocks than the shard.
         """
+        if self.host is None:
+            raise InvalidInput(f"cannot swap in {seq_id!r}: the manager has no host tier (KVCacheConfig.host_blocks)")
         if seq_id in self.sequences:
             raise DuplicateSequence(seq_id)
         rec = self.swapped.get(seq_id)
