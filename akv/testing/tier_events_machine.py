@@ -108,24 +108,13 @@ class EventedShard(ShardState):
 class TierEventsMachine(TierMachine):
     """:class:`~akv.testing.tier_machine.TierMachine` with cache events checked (see the module docstring)."""
 
+    shard_class = EventedShard
+
     def __init__(self) -> None:
         super().__init__()
         self.router = CacheAwareRouter(["shard"], block_size=self.block_size)
         self.applied = 0
         self.failing: list[StepOutcome] = []  # batches that failed, reported at the next settle
-
-    def _make(self, policy: str) -> ShardState:
-        first, n = self.first_block_id, self.num_blocks
-        host = range(first + n + 1, first + n + 1 + self.num_host_blocks)
-        return EventedShard(
-            0,
-            range(first, first + n),
-            self.block_size,
-            eviction_policy=policy,
-            null_block_id=first + n,
-            host_ids=host,
-            sync_copies=self.sync_copies,
-        )
 
     def _settle(self) -> None:
         for out in self.failing:

@@ -59,6 +59,7 @@ class TierMachine(RuleBasedStateMachine):
     first_block_id = 10
     num_host_blocks = 10
     sync_copies = False
+    shard_class: type[ShardState] = ShardState  # what _make builds
     policies = ("lru", "slru", "lfu")
 
     def __init__(self) -> None:
@@ -75,7 +76,7 @@ class TierMachine(RuleBasedStateMachine):
     def _make(self, policy: str) -> ShardState:
         first, n = self.first_block_id, self.num_blocks
         host = range(first + n + 1, first + n + 1 + self.num_host_blocks)
-        return ShardState(
+        return self.shard_class(
             0,
             range(first, first + n),
             self.block_size,
