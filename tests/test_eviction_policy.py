@@ -317,6 +317,23 @@ def test_keyed_hits_and_evictions_are_logarithmic(policy: str, line_events) -> N
     assert keyed_hits_and_evictions(policy, 60_000, line_events) == keyed_hits_and_evictions(policy, 6_000, line_events)
 
 
+def _release_or_hit(fast: BlockPool, slow: BlockPool, kind: str, x: int, k: int) -> None:
+    """Apply one lockstep op to both pools: release ``k`` new published blocks, or hit ``k`` cached ones from ``x``."""
+    if kind == "release":
+        if not fast.num_free:
+            return
+        ids = fast.allocate(min(k, fast.num_free))
+        assert slow.allocate(len(ids)) == ids
+        for p in (fast, slow):
+            p.mark_published(ids)
+            p.decref(ids[::-1])
+    else:
+        ids = fast.eviction_order()[x : x + k]
+        for p in (fast, slow):
+            p.incref(ids, hit=True)
+            p.decref(ids[::-1])
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     ops=st.lists(
@@ -346,17 +363,8 @@ def test_heap_lru_matches_the_ordered_dict_lru(ops) -> None:
     assert slow._keyed is not None and fast._keyed is None
     taken: list[int] = []
     for kind, x, k in ops:
-        if kind == "release" and fast.num_free:
-            ids = fast.allocate(min(k, fast.num_free))
-            assert slow.allocate(len(ids)) == ids
-            for p in (fast, slow):
-                p.mark_published(ids)
-                p.decref(ids[::-1])
-        elif kind == "hit":
-            ids = fast.eviction_order()[x : x + k]
-            for p in (fast, slow):
-                p.incref(ids, hit=True)
-                p.decref(ids[::-1])
+        if kind in ("release", "hit"):
+            _release_or_hit(fast, slow, kind, x, k)
         elif kind == "evict" and not taken:
             taken = fast.evict_begin(k)
             assert slow.evict_begin(k) == taken
@@ -439,17 +447,8 @@ def test_slru_pop_first_matches_one_entry_at_a_time(ops) -> None:
     taken: list[int] = []
     for kind, x, k, as_dict in ops:
         note(f"{kind} {x} {k} {as_dict}: order {fast.eviction_order()}")
-        if kind == "release" and fast.num_free:
-            ids = fast.allocate(min(k, fast.num_free))
-            assert slow.allocate(len(ids)) == ids
-            for p in (fast, slow):
-                p.mark_published(ids)
-                p.decref(ids[::-1])
-        elif kind == "hit":
-            ids = fast.eviction_order()[x : x + k]
-            for p in (fast, slow):
-                p.incref(ids, hit=True)
-                p.decref(ids[::-1])
+        if kind in ("release", "hit"):
+            _release_or_hit(fast, slow, kind, x, k)
         elif kind in ("evict", "evict_skip") and not taken:
             skip = set(fast.eviction_order()[x : x + k : 2]) | {0, BASE + N} if kind == "evict_skip" else set()
             taken = fast.evict_begin(k, dict.fromkeys(skip) if as_dict else skip)

@@ -339,15 +339,7 @@ class RunQueries:
         node, pos = self._place(None, block_id, create=False)
         if node is None:
             raise KeyError(block_id)
-        out: list[int] = []
-        stack = [(child, False) for child in node.children.values()]
-        while stack:
-            run, expanded = stack.pop()
-            if expanded:
-                out.extend(reversed(run.blocks))
-                continue
-            stack.append((run, True))
-            stack.extend((child, False) for child in run.children.values())
+        out = _post_order(list(node.children.values()))
         out.extend(reversed(node.blocks[pos:]))
         return out
 
@@ -359,17 +351,7 @@ class RunQueries:
         """
         roots = self._roots
         spaces = list(roots) if namespaces is None else [ns for ns in namespaces if ns in roots]
-        out: list[int] = []
-        for ns in spaces:
-            stack = [(roots[ns], False)]
-            while stack:
-                node, expanded = stack.pop()
-                if expanded:
-                    out.extend(reversed(node.blocks))
-                    continue
-                stack.append((node, True))
-                stack.extend((child, False) for child in node.children.values())
-        return out
+        return _post_order([roots[ns] for ns in spaces][::-1])
 
     def check(self) -> None:
         """Consistency check: runs, children keys, parents, the per-block arrays and the size agree. O(blocks).
@@ -408,3 +390,17 @@ class RunQueries:
         for nid in self._free_nids:
             if self._nodes[nid] is not None:
                 raise AssertionError(f"node {nid} is both free and in use")
+
+
+def _post_order(runs: list) -> list[int]:
+    """The blocks of ``runs`` and their subtrees, each after all of its descendants (the last run's first)."""
+    out: list[int] = []
+    stack = [(run, False) for run in runs]
+    while stack:
+        run, expanded = stack.pop()
+        if expanded:
+            out.extend(reversed(run.blocks))
+            continue
+        stack.append((run, True))
+        stack.extend((child, False) for child in run.children.values())
+    return out
