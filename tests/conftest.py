@@ -157,3 +157,18 @@ def tiny_config() -> Callable[..., KVCacheConfig]:
         return KVCacheConfig(**fields)
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _structlog_defaults():
+    """Restore structlog's defaults after a test that configured logging (``akv.cli.main`` does).
+
+    A level filter left behind by one test (the CLI's ``--log-level``) would
+    hide the info events a later test captures with ``structlog.testing.capture_logs``.
+    """
+    import structlog
+
+    before = structlog.get_config()
+    yield
+    if structlog.get_config() != before:
+        structlog.reset_defaults()

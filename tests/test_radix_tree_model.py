@@ -206,6 +206,10 @@ class RadixTreeMachine(RuleBasedStateMachine):
         cached = sorted(self.model.parent)
         ids = data.draw(st.lists(st.sampled_from(cached), max_size=8), label="pinned") if cached else []
         assert self.tree.ancestors(ids) == {a for b in ids for a in self.model.path(b)[1][:-1]}
+        order = self.tree.ancestry(ids)  # them and their ancestors, each before its parent
+        assert sorted(order) == sorted({a for b in ids for a in self.model.path(b)[1]})
+        place = {b: k for k, b in enumerate(order)}
+        assert all(place[b] < place[self.model.parent[b]] for b in order if self.model.parent[b] in place)
 
     @invariant()
     def agrees_with_the_model(self) -> None:

@@ -26,9 +26,8 @@ heap, O(log n) per block entering the order or evicted) that offers the same
 mapping operations, so the per-block code paths are shared and LRU pays
 nothing for the choice.
 
-The refcount transitions (``incref``, ``decref`` and where a block goes at
-refcount 0) are in :mod:`akv.core.block_refs`; this module keeps the free
-queue, allocation, the published flags, copy pins and the eviction steps.
+Refcount transitions and copy pins are in :mod:`akv.core.block_refs`; this
+module keeps the free queue, allocation, published flags and eviction steps.
 
 The eviction order is kept here, beside the refcounts, because a block enters
 it exactly when its refcount drops to zero and leaves it exactly when a hit
@@ -280,32 +279,6 @@ class BlockPool(BlockRefs):
         if cached:
             self.decref(cached, distinct=True)  # unpublished at refcount 0: free
         return len(cached)
-
-    def pin_for_copy(self, block_ids: Iterable[int]) -> None:
-        """Keep blocks alive as sources of a pending copy (they must be referenced now)."""
-        pins = self._copy_pins
-        for b in block_ids:
-            pins[b] = pins.get(b, 0) + 1
-
-    def pinned_published(self) -> list[int]:
-        """Published blocks with refcount 0 that only a copy pin keeps (in flight); O(pinned blocks)."""
-        ids = np.fromiter(self._copy_pins, dtype=np.int64, count=len(self._copy_pins))
-        off = ids - self.first_block_id
-        return ids[(self._state[off] == IN_FLIGHT) & self._published[off]].tolist()
-
-    def unpin_copied(self, block_ids: Iterable[int]) -> None:
-        """Release copy pins; an unreferenced block then becomes cached or free."""
-        base, pins = self.first_block_id, self._copy_pins
-        for b in block_ids:
-            left = pins[b] - 1
-            if left:
-                pins[b] = left
-                continue
-            del pins[b]
-            i = b - base
-            if self._state[i] == IN_FLIGHT:
-                self._counts[IN_FLIGHT] -= 1
-                self._release(i)
 
     def evict_begin(self, max_blocks: int, skip: Collection[int] = frozenset()) -> list[int]:
         """Take up to ``max_blocks`` cached blocks for eviction, first in eviction order first.

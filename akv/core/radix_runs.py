@@ -240,25 +240,56 @@ class RunQueries:
         Raises:
             KeyError: One of ``block_ids`` is not in the tree.
         """
-        need: dict[Run, int] = {}  # run -> leading blocks taken; a run's ancestors are then taken whole
+        out: set[int] = set()
+        for node, k in self._leading(block_ids, 0).items():
+            if k:
+                out.update(node.blocks[:k].tolist())
+        return out
+
+    def ancestry(self, block_ids: Iterable[int]) -> list[int]:
+        """``block_ids`` and every block above them, each once, each before its parent (deepest first).
+
+        The order in which a finished chain enters an eviction order, so that
+        children are evicted before their parents. Runs are emitted by depth,
+        deepest first (a run's depth: the blocks above its first one), each
+        run's taken blocks last to first. O(distinct runs log runs + blocks returned).
+
+        Raises:
+            KeyError: One of ``block_ids`` is not in the tree.
+        """
+        need = self._leading(block_ids, 1)
+        depth: dict[Run, int] = {}
+        for node in need:
+            up, chain = node, []
+            while up.parent is not None and up not in depth:
+                chain.append(up)
+                up = up.parent
+            d = depth.get(up, 0)
+            for run in reversed(chain):
+                d += len(run.parent.blocks)
+                depth[run] = d
+        out: list[int] = []
+        for node in sorted(need, key=depth.__getitem__, reverse=True):
+            out.extend(node.blocks[need[node] - 1 :: -1] if need[node] else ())
+        return out
+
+    def _leading(self, block_ids: Iterable[int], inclusive: int) -> dict[Run, int]:
+        """Run -> how many of its leading blocks lie on the paths to ``block_ids`` (with them when ``inclusive``)."""
+        need: dict[Run, int] = {}  # a run's ancestors are taken whole once the run is in
         for b in block_ids:
             node, pos = self._place(None, b, create=False)
             if node is None:
                 raise KeyError(b)
             known = node in need
-            if pos > need.get(node, 0):
-                need[node] = pos
+            if pos + inclusive > need.get(node, 0):
+                need[node] = pos + inclusive
             if known:
                 continue
             node = node.parent
             while node.parent is not None and need.get(node, 0) < len(node.blocks):
                 need[node] = len(node.blocks)
                 node = node.parent
-        out: set[int] = set()
-        for node, k in need.items():
-            if k:
-                out.update(node.blocks[:k].tolist())
-        return out
+        return need
 
     def chain(self, block_id: int) -> tuple[Hashable, bytes]:
         """The namespace and the tokens from the root down to ``block_id``; read-only. O(depth).

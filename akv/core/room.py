@@ -170,8 +170,11 @@ class ShardRoom:
         tier has (or can make) room; the others are dropped as without a tier.
 
         A cached block can stand above a block that is not evictable yet (a
-        published block that a pending copy still pins); the tree refuses such
-        a non-leaf, and it waits at the evict-last end. The loop ends when
+        published block that a pending copy still pins): such blocks are
+        skipped as ``protected`` ones are, keeping their place (refused and
+        sent to the evict-last end, a whole chain of a long prompt would be
+        taken and refused a batch at a time). The tree refuses any other
+        non-leaf, which then waits at the evict-last end. The loop ends when
         every cached block was refused once since the last removal.
 
         Args:
@@ -187,6 +190,11 @@ class ShardRoom:
             The number of blocks evicted (free now, or in flight to the host when ``held``).
         """
         pool, tree = self.pool, self.tree
+        pinned = pool.pinned_published()
+        if pinned:
+            blocked = tree.ancestors(pinned)
+            blocked.update(protected)
+            protected = blocked
         demote = self.host is not None
         evicted = 0
         untried = pool.num_cached

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from akv.core.block_pool import FREE
+from akv.core.block_pool import CACHED, FREE
 from akv.core.step import StepOutcome
 
 
@@ -155,10 +155,27 @@ class ShardTiers:
         if t.device_pins:
             pool.unpin_copied(t.device_pins)
         if t.held_pins:
-            pool.unpin_copied(t.held_pins)
+            self._unpin_held(t.held_pins)
         if t.host_pins:
             host.unpin_copied(t.host_pins)
         return put_back, dropped
+
+    def _unpin_held(self, block_ids: list[int]) -> None:
+        """Release the pins of blocks sequences held; those cached now enter the eviction order below their ancestors.
+
+        A sequence freed while a copy still pinned some of its blocks put
+        the others in the eviction order then; the pinned ones enter it only
+        now, after their cached ancestors, which would then come up for
+        eviction first and be refused as non-leaves (a whole chain a batch at
+        a time). So the chains above them enter again too, deepest first
+        (:meth:`~akv.core.radix_tree.RadixTree.ancestry`): as if the
+        sequences were freed now.
+        """
+        pool = self.pool
+        entered = pool.unpin_copied(block_ids)
+        if entered:
+            chain = self.tree.ancestry(entered)
+            pool.requeue([b for b in chain if pool.state(b) == CACHED])
 
     def _note_reused(self, out: StepOutcome) -> None:
         """Record in ``out.wait_transfer`` the newest earlier transfer still reading a block ``out``'s step handed out.
