@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+from akv.core.eviction_policy import EVICTION_POLICIES
 from akv.core.shard_state import ShardState
 from akv.core.step import Admit, StepOutcome, StepRequest
 
@@ -43,9 +45,12 @@ def test_a_chain_freed_while_its_promotion_copy_pends_is_evicted_deepest_first()
     state.check()
 
 
-def test_cached_ancestors_enter_again_above_a_chain_released_late() -> None:
+@pytest.mark.parametrize("policy", sorted(EVICTION_POLICIES))
+def test_cached_ancestors_enter_again_above_a_chain_released_late(policy: str) -> None:
     """X-A-B-C cached, A-B-C demoted; X-A-B-C-D admitted (X a device hit, A-B-C promoted) and freed before the copy."""
-    state = ShardState(0, range(0, 8), 2, null_block_id=8, host_ids=range(9, 17), sync_copies=False)
+    state = ShardState(
+        0, range(0, 8), 2, null_block_id=8, host_ids=range(9, 17), sync_copies=False, eviction_policy=policy
+    )
     _admit(state, "s1", [7, 7, 1, 2, 3, 4, 5, 6, 0])
     state.step(StepRequest(frees=["s1"]))
     out = StepOutcome()

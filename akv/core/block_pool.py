@@ -78,17 +78,18 @@ class BlockPool(BlockRefs):
     """
 
     __slots__ = (
-        "_copy_pins",
         "_counts",
         "_free",
         "_keyed",
         "_lru",
+        "_pins",
         "_published",
         "_refcount",
         "_state",
         "blocks_freed",
         "first_block_id",
         "num_blocks",
+        "num_pinned",
         "policy",
         "total_refs",
     )
@@ -104,7 +105,9 @@ class BlockPool(BlockRefs):
         self._state = np.zeros(n, dtype=np.int8)  # FREE
         self._refcount = np.zeros(n, dtype=np.int32)
         self._published = np.zeros(n, dtype=bool)
-        self._copy_pins: dict[int, int] = {}
+        self._pins = np.zeros(n, dtype=np.int32)  # pending copies reading or writing each block
+        #: Blocks with at least one copy pin.
+        self.num_pinned = 0
         self._free = list(reversed(block_ids))  # pop() yields the lowest id first
         # Cached block ids in eviction order: an OrderedDict (oldest first) for
         # LRU, else a KeyedOrder, which offers the same mapping operations.
@@ -154,6 +157,10 @@ class BlockPool(BlockRefs):
     def state(self, block_id: int) -> int:
         """State constant of ``block_id`` (``FREE``, ``ACTIVE``, ``CACHED``, ``IN_FLIGHT``)."""
         return int(self._state[block_id - self.first_block_id])
+
+    def states(self, block_ids: np.ndarray) -> np.ndarray:
+        """State constants (int8) of ``block_ids``, an int array of this pool's blocks."""
+        return self._state[block_ids - self.first_block_id]
 
     def num_cached_among(self, block_ids: Collection[int]) -> int:
         """How many of the distinct ``block_ids`` are cached blocks of this pool (other ids are ignored). O(len(block_ids))."""
@@ -355,7 +362,7 @@ class BlockPool(BlockRefs):
             return
         idx = np.array(block_ids, dtype=np.intp) - self.first_block_id
         s = self._state[idx]
-        if (s != IN_FLIGHT).any() or any(b in self._copy_pins for b in block_ids):
+        if (s != IN_FLIGHT).any() or self._pins[idx].any():
             b = block_ids[int(np.argmax(s != IN_FLIGHT))]
             raise ValueError(f"evict_hold of block {b} in state {STATE_NAMES[self.state(b)]} or already pinned")
         self._published[idx] = False
@@ -454,6 +461,12 @@ class BlockPool(BlockRefs):
         bad = np.flatnonzero((state == FREE) & pub)
         if len(bad):
             raise AssertionError(f"block {int(bad[0]) + base}: free but still published")
+        pins = self._pins
+        if pins.min() < 0 or np.count_nonzero(pins) != self.num_pinned:
+            raise AssertionError(f"copy pins: {np.count_nonzero(pins)} blocks pinned, {self.num_pinned} counted")
+        bad = np.flatnonzero((pins != 0) & ((state == FREE) | (state == CACHED)))
+        if len(bad):
+            raise AssertionError(f"block {int(bad[0]) + base}: pinned but {STATE_NAMES[state[bad[0]]]}")
         if int(ref.sum()) != self.total_refs:
             raise AssertionError(f"refcount sum {int(ref.sum())} != total_refs {self.total_refs}")
         counts = np.bincount(state, minlength=4).tolist()

@@ -98,7 +98,7 @@ class BlockRefs:
             b = i + base
             if st == CACHED:
                 continue
-            if not (st == IN_FLIGHT and ref[i] == 0 and b in self._copy_pins and self._published[i]):
+            if not (st == IN_FLIGHT and ref[i] == 0 and self._pins[i] and self._published[i]):
                 raise ValueError(f"incref of block {b} in state {STATE_NAMES[st]}")
         lru, counts = self._lru, self._counts
         for i in leaving:
@@ -185,44 +185,67 @@ class BlockRefs:
 
     # ------------------------------------------------------------ copy pins
     def pin_for_copy(self, block_ids: Iterable[int]) -> None:
-        """Keep blocks alive as sources of a pending copy (they must be referenced now)."""
-        pins = self._copy_pins
-        for b in block_ids:
-            pins[b] = pins.get(b, 0) + 1
+        """Keep blocks alive as sources or destinations of a pending copy (they must be referenced now).
+
+        Args:
+            block_ids: Blocks of this pool; a block listed twice is pinned twice.
+        """
+        ids = block_ids if type(block_ids) is list else list(block_ids)
+        if not ids:
+            return
+        pins, base = self._pins, self.first_block_id
+        if len(ids) <= _PY_LOOP_PINS:
+            mv = memoryview(pins)
+            for b in ids:
+                if not mv[b - base]:
+                    self.num_pinned += 1
+                mv[b - base] += 1
+            return
+        off, counts = np.unique(np.array(ids, dtype=np.intp) - base, return_counts=True)
+        self.num_pinned += int(np.count_nonzero(pins[off] == 0))
+        pins[off] += counts.astype(np.int32, copy=False)
 
     def pinned_published(self) -> list[int]:
-        """Published blocks with refcount 0 that only a copy pin keeps (in flight); O(min(pins, num_blocks / 16))."""
-        pins = self._copy_pins
-        if not pins or not self._counts[IN_FLIGHT]:
+        """Published blocks with refcount 0 that only a copy pin keeps (in flight); O(num_blocks) numpy, O(1) with none pinned."""
+        if not self.num_pinned or not self._counts[IN_FLIGHT]:
             return []
-        if len(pins) * 16 < self.num_blocks:
-            off = np.fromiter(pins, dtype=np.int64, count=len(pins)) - self.first_block_id
-            off = off[(self._state[off] == IN_FLIGHT) & self._published[off]]
-        else:  # one pass over the pool beats reading thousands of pins
-            off = np.flatnonzero((self._state == IN_FLIGHT) & self._published)
-        return [b for b in (off + self.first_block_id).tolist() if b in pins]
+        off = np.flatnonzero(self._state == IN_FLIGHT)
+        off = off[(self._pins[off] != 0) & self._published[off]]
+        return (off + self.first_block_id).tolist()
+
+    def is_pinned(self, block_id: int) -> bool:
+        """Whether a pending copy pins ``block_id``."""
+        return bool(self._pins[block_id - self.first_block_id])
 
     def unpin_copied(self, block_ids: Iterable[int]) -> list[int]:
         """Release copy pins; an unreferenced block then becomes cached or free (in the order given).
 
         Returns:
             The blocks that entered the eviction order (cached now), in order.
+
+        Raises:
+            ValueError: A block is not pinned as often as listed (nothing is applied then).
         """
-        base, pins = self.first_block_id, self._copy_pins
-        unpinned = []
-        for b in block_ids:
-            left = pins[b] - 1
-            if left:
-                pins[b] = left
-            else:
-                del pins[b]
-                unpinned.append(b - base)
-        if not unpinned:
+        ids = block_ids if type(block_ids) is list else list(block_ids)
+        if not ids:
             return []
-        off = np.array(unpinned, dtype=np.intp)
-        off = off[self._state[off] == IN_FLIGHT]
-        entered = off[self._published[off]]
-        self._release_many(off, IN_FLIGHT)
+        base, pins = self.first_block_id, self._pins
+        off = np.array(ids, dtype=np.intp) - base
+        uniq, counts = np.unique(off, return_counts=True)
+        left = pins[uniq] - counts
+        if left.min() < 0:
+            raise ValueError(f"unpin of block {int(uniq[np.argmin(left)]) + base}, pinned fewer times")
+        pins[uniq] = left
+        zero = uniq[left == 0]
+        self.num_pinned -= len(zero)
+        if len(uniq) < len(off):  # listed twice: released at its last occurrence
+            last = {int(i): k for k, i in enumerate(off.tolist())}
+            zero = np.array(sorted(zero.tolist(), key=last.__getitem__), dtype=np.intp)
+        else:
+            zero = off[pins[off] == 0]
+        zero = zero[self._state[zero] == IN_FLIGHT]
+        entered = zero[self._published[zero]]
+        self._release_many(zero, IN_FLIGHT)
         return (entered + base).tolist()
 
     def requeue(self, block_ids: list[int]) -> None:
@@ -235,10 +258,12 @@ class BlockRefs:
         if self._keyed is None:
             for b in block_ids:
                 lru.move_to_end(b)
-            return
-        for b in block_ids:
-            del lru[b]
-        lru.extend(block_ids)
+        elif type(lru) is SegmentedOrder:
+            lru.requeue_offsets(np.array(block_ids, dtype=np.intp) - self.first_block_id)
+        else:
+            for b in block_ids:
+                del lru[b]
+            lru.extend(block_ids)
 
     def _release_many(self, offsets: list[int] | np.ndarray, from_state: int = ACTIVE) -> None:
         """Blocks at ``offsets`` (distinct, in release order; a list or an intp array) lost their last reference.
@@ -253,7 +278,7 @@ class BlockRefs:
         """
         counts, base = self._counts, self.first_block_id
         counts[from_state] -= len(offsets)
-        if self._copy_pins:
+        if self.num_pinned:
             offsets = self._hold_pinned(offsets)
         keyed = self._keyed
         if type(keyed) is SegmentedOrder and len(offsets) >= _NUMPY_RELEASE_MIN:
@@ -286,17 +311,15 @@ class BlockRefs:
             self._free.extend(freed)
             self.blocks_freed += len(freed)
 
-    def _hold_pinned(self, offsets: list[int] | np.ndarray) -> list[int]:
+    def _hold_pinned(self, offsets: list[int] | np.ndarray) -> list[int] | np.ndarray:
         """Put the blocks among ``offsets`` that a pending copy pins in flight; return the others, in order."""
-        base, pins = self.first_block_id, self._copy_pins
-        keep: list[int] = []
-        held: list[int] = []
-        for i in offsets.tolist() if type(offsets) is not list else offsets:
-            (held if i + base in pins else keep).append(i)
-        if held:
-            self._state[np.array(held, dtype=np.intp)] = IN_FLIGHT
-            self._counts[IN_FLIGHT] += len(held)
-        return keep
+        off = offsets if type(offsets) is np.ndarray else np.array(offsets, dtype=np.intp)
+        pinned = self._pins[off] != 0
+        if not pinned.any():
+            return offsets
+        self._state[off[pinned]] = IN_FLIGHT
+        self._counts[IN_FLIGHT] += int(np.count_nonzero(pinned))
+        return off[~pinned]
 
     def _release_many_slru(self, offsets: list[int] | np.ndarray) -> None:
         """:meth:`_release_many` of a long batch under SLRU (none pinned): numpy for the states and the segments.
@@ -322,7 +345,7 @@ class BlockRefs:
     def _release(self, i: int) -> None:
         """Move unreferenced offset ``i`` to in-flight, cached or free."""
         b = i + self.first_block_id
-        if b in self._copy_pins:
+        if self._pins[i]:
             self._state[i] = IN_FLIGHT
             self._counts[IN_FLIGHT] += 1
         elif self._published[i]:
@@ -339,6 +362,9 @@ class BlockRefs:
 #: Up to this many distinct blocks given as a list, :meth:`BlockPool.incref` loops in Python
 #: over memoryviews (an admission's prefix hits) instead of calling numpy.
 _PY_LOOP_MAX = 256
+
+#: Up to this many blocks, :meth:`BlockRefs.pin_for_copy` loops in Python instead of calling numpy.
+_PY_LOOP_PINS = 16
 
 #: From this many blocks on, an SLRU release takes numpy's path (:meth:`BlockRefs._release_many_slru`).
 _NUMPY_RELEASE_MIN = 128

@@ -136,6 +136,24 @@ class SegmentedOrder(HitCounts):
                 lane.frombytes(entries.tobytes())
         self._size += len(offsets)
 
+    def requeue_offsets(self, offsets: np.ndarray) -> None:
+        """Blocks at ``offsets`` (a distinct intp array, all in the order) enter again now, in this order.
+
+        Their old entries go stale; one numpy pass, then :meth:`extend_offsets`.
+
+        Raises:
+            KeyError: A block is not in the order (nothing is applied then).
+        """
+        stamp = self._stamp
+        if np.count_nonzero(stamp[offsets]) != len(offsets):
+            raise KeyError(int(offsets[np.argmin(stamp[offsets] != 0)]) + self.base)
+        stamp[offsets] = 0
+        self._size -= len(offsets)
+        self._stale += len(offsets)
+        self.extend_offsets(offsets)
+        if self._stale > self._size + 1024:
+            self._compact()
+
     def __delitem__(self, block_id: int) -> None:
         """``block_id`` left the cache (a hit took a reference); its entry goes stale."""
         i = block_id - self.base

@@ -50,6 +50,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from akv.core.block_pool import CACHED, FREE
 from akv.core.step import StepOutcome
 
@@ -175,7 +177,8 @@ class ShardTiers:
         entered = pool.unpin_copied(block_ids)
         if entered:
             chain = self.tree.ancestry(entered)
-            pool.requeue([b for b in chain if pool.state(b) == CACHED])
+            ids = np.array(chain, dtype=np.int64)
+            pool.requeue(ids[pool.states(ids) == CACHED].tolist())
 
     def _note_reused(self, out: StepOutcome) -> None:
         """Record in ``out.wait_transfer`` the newest earlier transfer still reading a block ``out``'s step handed out.
@@ -189,7 +192,10 @@ class ShardTiers:
         O(blocks demoted on demand whose copies are pending).
         """
         released, pool = self.released, self.pool
-        reused = [b for b in released if pool.state(b) != FREE]
+        if not released:
+            return
+        ids = np.fromiter(released, dtype=np.int64, count=len(released))
+        reused = ids[pool.states(ids) != FREE].tolist()
         if not reused:
             return
         tids = [released.pop(b) for b in reused]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from akv.errors import InvalidInput
@@ -96,13 +97,34 @@ def _pairs(storage: KVStorage, src: IndexLike, dst: IndexLike, phase: str) -> tu
         empty = torch.empty(0, dtype=torch.int64)
         return empty, empty
     src_limit, dst_limit = (storage.num_blocks, host.num_blocks) if d2h else (host.num_blocks, storage.num_blocks)
-    src_t, src_list = ids_and_list(src, src_limit, src_what)
-    dst_t, dst_list = ids_and_list(dst, dst_limit, dst_what)
-    if len(src_list) != len(dst_list):
-        raise InvalidInput(f"{src_what} has {len(src_list)} ids but {dst_what} has {len(dst_list)}")
-    if len(set(dst_list)) != len(dst_list):
-        raise InvalidInput(f"{dst_what} contains duplicates: {dst_list}")
+    src_t, dst_t = _ids(src, src_limit, src_what), _ids(dst, dst_limit, dst_what)
+    if len(src_t) != len(dst_t):
+        raise InvalidInput(f"{src_what} has {len(src_t)} ids but {dst_what} has {len(dst_t)}")
+    n = len(dst_t)
+    if n > 1 and (len(set(dst_t.tolist())) if n <= _NUMPY_MIN else len(np.unique(dst_t.numpy()))) != n:
+        raise InvalidInput(f"{dst_what} contains duplicates: {dst_t.tolist()}")
     return src_t, dst_t
+
+
+def _ids(ids: IndexLike, limit: int, what: str) -> torch.Tensor:
+    """``ids`` as a CPU int64 tensor of its own, each in ``[0, limit)``, or InvalidInput.
+
+    A long list of ints (a demotion batch: thousands) is checked with numpy,
+    about 20x faster than :func:`~akv.storage.tensor_args.ids_and_list`'s
+    Python ints; anything else (tensors, short or mixed lists) takes that path.
+    """
+    if type(ids) is list and len(ids) > _NUMPY_MIN:
+        arr = np.array(ids)  # Python ints give int64; floats, bools or huge ints another dtype
+        if arr.ndim == 1 and arr.dtype.kind == "i":
+            arr = arr.astype(np.int64, copy=False)
+            if arr.min() < 0 or arr.max() >= limit:
+                raise InvalidInput(f"{what} out of range: min {arr.min()}, max {arr.max()}, must lie in [0, {limit})")
+            return torch.from_numpy(arr)
+    return ids_and_list(ids, limit, what)[0]
+
+
+#: From this many ids on, a phase's ids are checked with numpy.
+_NUMPY_MIN = 32
 
 
 def check_tier_batch(
