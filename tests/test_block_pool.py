@@ -369,18 +369,18 @@ def test_many_pins_release_in_the_order_given(repeat: int) -> None:
     pool.mark_published(ids[::2])
     pinned = ids + ids[:repeat]  # the first blocks pinned twice (once for repeat=1: all distinct but 1)
     pool.pin_for_copy(pinned)
-    assert pool.num_pinned == 40 and pool.pinned_published() == []
+    assert pool.total_pins == 40 + repeat and pool.pinned_published() == []
     pool.decref(ids[::-1], distinct=True)
     assert pool.counts() == {"free": 0, "active": 0, "cached": 0, "in_flight": 40}
     assert pool.pinned_published() == ids[::2]
     with pytest.raises(ValueError, match="pinned fewer times"):
         pool.unpin_copied(ids[:1] * (repeat + 2))  # one more than pinned: nothing applied
-    assert pool.num_pinned == 40
+    assert pool.total_pins == 40 + repeat
     order = ids[5:] + ids[:5][::-1] + ids[:repeat]
     entered = pool.unpin_copied(order)
     released = ids[5:] + ids[repeat:5][::-1] + ids[:repeat]  # the twice-pinned ones at their last occurrence
     assert entered == [b for b in released if (b - 100) % 2 == 0]
-    assert pool.eviction_order() == entered and pool.num_pinned == 0
+    assert pool.eviction_order() == entered and pool.total_pins == 0
     assert pool.counts() == {"free": 20, "active": 0, "cached": 20, "in_flight": 0}
     pool.check()
 

@@ -156,7 +156,8 @@ def test_applied_updates_rebuild_the_padded_tables(ops, num_shards: int) -> None
                 kind = op[0]
                 if kind == "admit":
                     sid = f"s{n}"
-                    r = await both(admits=[Admit(seq_id=sid, prompt=list(range(n * 50, n * 50 + op[1])))])
+                    first = n * 50 % 950  # every token inside the vocabulary of 1000
+                    r = await both(admits=[Admit(seq_id=sid, prompt=list(range(first, first + op[1])))])
                     live += [sid] if sid in r.seq_ids else []
                 elif kind == "admit_many":  # several prefills in one step (one pass over all tokens past 4)
                     admits = [Admit(seq_id=f"s{n}.{j}", prompt=list(range(j, j + k))) for j, k in enumerate(op[1])]

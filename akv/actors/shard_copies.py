@@ -137,20 +137,19 @@ class ShardCopies:
         ``BlockStored`` in ``"device"``), or the next part of a multi-shard
         batch that is open (after this shard's earlier part, as it happened).
         """
-        if not self._pinned:
-            return
-        keep = []
+        pinned = self._pinned
+        done = 0
         state = self.state
-        for item in self._pinned:
-            ticket, blocks, transfer = item
-            if ticket.done():
-                if blocks:
-                    state.release_copy_pins(blocks)
-                if transfer is not None:
-                    put_back, dropped = state.transfer_done(transfer, ticket.exception() is None)
-                    self._room_hint = True
-                    if (put_back or dropped) and self.events is not None:
-                        self.sink.emit(self.events.put_back(put_back, dropped))
-            else:
-                keep.append(item)
-        self._pinned = keep
+        for ticket, blocks, transfer in pinned:
+            if not ticket.done():
+                break  # one executor runs the batches in submission order: the rest are pending too
+            done += 1
+            if blocks:
+                state.release_copy_pins(blocks)
+            if transfer is not None:
+                put_back, dropped = state.transfer_done(transfer, ticket.exception() is None)
+                self._room_hint = True
+                if (put_back or dropped) and self.events is not None:
+                    self.sink.emit(self.events.put_back(put_back, dropped))
+        if done:
+            del pinned[:done]

@@ -89,8 +89,8 @@ class BlockPool(BlockRefs):
         "blocks_freed",
         "first_block_id",
         "num_blocks",
-        "num_pinned",
         "policy",
+        "total_pins",
         "total_refs",
     )
 
@@ -106,8 +106,8 @@ class BlockPool(BlockRefs):
         self._refcount = np.zeros(n, dtype=np.int32)
         self._published = np.zeros(n, dtype=bool)
         self._pins = np.zeros(n, dtype=np.int32)  # pending copies reading or writing each block
-        #: Blocks with at least one copy pin.
-        self.num_pinned = 0
+        #: Sum of all copy pins (0: nothing pinned).
+        self.total_pins = 0
         self._free = list(reversed(block_ids))  # pop() yields the lowest id first
         # Cached block ids in eviction order: an OrderedDict (oldest first) for
         # LRU, else a KeyedOrder, which offers the same mapping operations.
@@ -462,8 +462,8 @@ class BlockPool(BlockRefs):
         if len(bad):
             raise AssertionError(f"block {int(bad[0]) + base}: free but still published")
         pins = self._pins
-        if pins.min() < 0 or np.count_nonzero(pins) != self.num_pinned:
-            raise AssertionError(f"copy pins: {np.count_nonzero(pins)} blocks pinned, {self.num_pinned} counted")
+        if pins.min() < 0 or int(pins.sum()) != self.total_pins:
+            raise AssertionError(f"copy pins sum to {int(pins.sum())}, {self.total_pins} counted")
         bad = np.flatnonzero((pins != 0) & ((state == FREE) | (state == CACHED)))
         if len(bad):
             raise AssertionError(f"block {int(bad[0]) + base}: pinned but {STATE_NAMES[state[bad[0]]]}")

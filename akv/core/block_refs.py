@@ -197,17 +197,14 @@ class BlockRefs:
         if len(ids) <= _PY_LOOP_PINS:
             mv = memoryview(pins)
             for b in ids:
-                if not mv[b - base]:
-                    self.num_pinned += 1
                 mv[b - base] += 1
-            return
-        off, counts = np.unique(np.array(ids, dtype=np.intp) - base, return_counts=True)
-        self.num_pinned += int(np.count_nonzero(pins[off] == 0))
-        pins[off] += counts.astype(np.int32, copy=False)
+        else:
+            np.add.at(pins, np.array(ids, dtype=np.intp) - base, _ONE)
+        self.total_pins += len(ids)
 
     def pinned_published(self) -> list[int]:
         """Published blocks with refcount 0 that only a copy pin keeps (in flight); O(num_blocks) numpy, O(1) with none pinned."""
-        if not self.num_pinned or not self._counts[IN_FLIGHT]:
+        if not self.total_pins or not self._counts[IN_FLIGHT]:
             return []
         off = np.flatnonzero(self._state == IN_FLIGHT)
         off = off[(self._pins[off] != 0) & self._published[off]]
@@ -231,18 +228,15 @@ class BlockRefs:
             return []
         base, pins = self.first_block_id, self._pins
         off = np.array(ids, dtype=np.intp) - base
-        uniq, counts = np.unique(off, return_counts=True)
-        left = pins[uniq] - counts
+        np.subtract.at(pins, off, _ONE)
+        left = pins[off]
         if left.min() < 0:
-            raise ValueError(f"unpin of block {int(uniq[np.argmin(left)]) + base}, pinned fewer times")
-        pins[uniq] = left
-        zero = uniq[left == 0]
-        self.num_pinned -= len(zero)
-        if len(uniq) < len(off):  # listed twice: released at its last occurrence
-            last = {int(i): k for k, i in enumerate(off.tolist())}
-            zero = np.array(sorted(zero.tolist(), key=last.__getitem__), dtype=np.intp)
-        else:
-            zero = off[pins[off] == 0]
+            np.add.at(pins, off, _ONE)
+            raise ValueError(f"unpin of block {int(off[np.argmin(left)]) + base}, pinned fewer times")
+        self.total_pins -= len(ids)
+        zero = off[left == 0]
+        if len(zero) > 1 and len(np.unique(zero)) < len(zero):  # listed twice: released at its last occurrence
+            zero = np.array(list(dict.fromkeys(zero[::-1].tolist()))[::-1], dtype=np.intp)
         zero = zero[self._state[zero] == IN_FLIGHT]
         entered = zero[self._published[zero]]
         self._release_many(zero, IN_FLIGHT)
@@ -278,7 +272,7 @@ class BlockRefs:
         """
         counts, base = self._counts, self.first_block_id
         counts[from_state] -= len(offsets)
-        if self.num_pinned:
+        if self.total_pins:
             offsets = self._hold_pinned(offsets)
         keyed = self._keyed
         if type(keyed) is SegmentedOrder and len(offsets) >= _NUMPY_RELEASE_MIN:

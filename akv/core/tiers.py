@@ -195,14 +195,18 @@ class ShardTiers:
         if not released:
             return
         ids = np.fromiter(released, dtype=np.int64, count=len(released))
-        reused = ids[pool.states(ids) != FREE].tolist()
-        if not reused:
+        reused = pool.states(ids) != FREE
+        if not reused.any():
             return
-        tids = [released.pop(b) for b in reused]
-        for b, tid in zip(reused, tids):
-            self._transfers[tid].held_pins.append(b)
+        tids = np.fromiter(released.values(), dtype=np.int64, count=len(released))[reused]
+        ids = ids[reused]
+        reused = ids.tolist()
+        for b in reused:
+            del released[b]
+        for tid in np.unique(tids).tolist():
+            self._transfers[tid].held_pins += ids[tids == tid].tolist()
         pool.pin_for_copy(reused)  # freed before the copy ran: in flight, not free under it
-        newest = max(tids)
+        newest = int(tids.max())
         if newest != out.transfer:
             out.wait_transfer = newest if out.wait_transfer is None else max(newest, out.wait_transfer)
 
