@@ -487,3 +487,22 @@ def test_evict_abort_to_mru_puts_blocks_at_the_tail(pool: BlockPool) -> None:
     assert pool.lru_order() == [10, 14, 13, 12, 11]
     assert pool.counts() == counts(free=3, cached=5)
     pool.check()
+
+
+def test_a_long_hit_leaves_the_slru_segments_at_once() -> None:
+    """100 cached blocks taken by one incref (numpy's path): active, out of the order; a free one among them refuses all."""
+    pool = BlockPool(range(0, 200), policy="slru")
+    ids = pool.allocate(150)
+    pool.mark_published(ids)
+    pool.decref(ids[::-1], distinct=True)
+    hit = ids[:100]
+    with pytest.raises(ValueError, match="in state free"):
+        pool.incref([*hit, 170], distinct=True, hit=True)
+    assert pool.counts() == {"free": 50, "active": 0, "cached": 150, "in_flight": 0}
+    pool.check()
+    pool.incref(hit, distinct=True, hit=True)
+    assert pool.counts() == {"free": 50, "active": 100, "cached": 50, "in_flight": 0}
+    assert pool.eviction_order() == ids[100:][::-1]
+    pool.decref(hit[::-1], distinct=True)
+    assert pool.eviction_order() == ids[100:][::-1] + hit[::-1]  # never hit first, then the hit ones
+    pool.check()

@@ -91,15 +91,17 @@ class BlockRefs:
 
     def _incref_leaving(self, leaving: list[int]) -> None:
         """Validate the non-active blocks (distinct offsets) of an incref, then take them out of the cache (or their pin state)."""
+        if len(leaving) >= _NUMPY_LEAVING_MIN and type(self._keyed) is SegmentedOrder:
+            self._incref_leaving_many(np.array(leaving, dtype=np.intp))
+            return
         base, ref = self.first_block_id, self._refcount
         state = memoryview(self._state)
         for i in leaving:
             st = state[i]
-            b = i + base
             if st == CACHED:
                 continue
             if not (st == IN_FLIGHT and ref[i] == 0 and self._pins[i] and self._published[i]):
-                raise ValueError(f"incref of block {b} in state {STATE_NAMES[st]}")
+                raise ValueError(f"incref of block {i + base} in state {STATE_NAMES[st]}")
         lru, counts = self._lru, self._counts
         for i in leaving:
             if state[i] == CACHED:
@@ -111,6 +113,21 @@ class BlockRefs:
                 counts[IN_FLIGHT] -= 1
             counts[ACTIVE] += 1
             state[i] = ACTIVE
+
+    def _incref_leaving_many(self, off: np.ndarray) -> None:
+        """:meth:`_incref_leaving` of many blocks under SLRU (a promoted path's host hits): numpy throughout."""
+        st = self._state[off]
+        cached = st == CACHED
+        ok = cached | ((st == IN_FLIGHT) & (self._refcount[off] == 0) & (self._pins[off] != 0) & self._published[off])
+        if not ok.all():
+            i = int(np.argmin(ok))
+            raise ValueError(f"incref of block {int(off[i]) + self.first_block_id} in state {STATE_NAMES[st[i]]}")
+        n_cached = int(np.count_nonzero(cached))
+        self._keyed.discard_offsets(off[cached])
+        self._counts[CACHED] -= n_cached
+        self._counts[IN_FLIGHT] -= len(off) - n_cached
+        self._counts[ACTIVE] += len(off)
+        self._state[off] = ACTIVE
 
     def decref(self, block_ids: Iterable[int], *, distinct: bool | None = None) -> None:
         """Drop one reference from each block, in the given order.
@@ -356,6 +373,9 @@ class BlockRefs:
 #: Up to this many distinct blocks given as a list, :meth:`BlockPool.incref` loops in Python
 #: over memoryviews (an admission's prefix hits) instead of calling numpy.
 _PY_LOOP_MAX = 256
+
+#: From this many blocks on, a cached block taking a reference leaves SLRU's segments with numpy.
+_NUMPY_LEAVING_MIN = 64
 
 #: Up to this many blocks, :meth:`BlockRefs.pin_for_copy` loops in Python instead of calling numpy.
 _PY_LOOP_PINS = 16

@@ -139,7 +139,14 @@ class SegmentedOrder(HitCounts):
     def requeue_offsets(self, offsets: np.ndarray) -> None:
         """Blocks at ``offsets`` (a distinct intp array, all in the order) enter again now, in this order.
 
-        Their old entries go stale; one numpy pass, then :meth:`extend_offsets`.
+        Raises:
+            KeyError: A block is not in the order (nothing is applied then).
+        """
+        self.discard_offsets(offsets)
+        self.extend_offsets(offsets)
+
+    def discard_offsets(self, offsets: np.ndarray) -> None:
+        """Blocks at ``offsets`` (a distinct intp array, all in the order) leave it: ``del`` of each, one numpy pass.
 
         Raises:
             KeyError: A block is not in the order (nothing is applied then).
@@ -150,7 +157,6 @@ class SegmentedOrder(HitCounts):
         stamp[offsets] = 0
         self._size -= len(offsets)
         self._stale += len(offsets)
-        self.extend_offsets(offsets)
         if self._stale > self._size + 1024:
             self._compact()
 
