@@ -452,6 +452,8 @@ def _host_fields(config: KVCacheConfig) -> None:
         if value:
             raise InvalidInput("give host_blocks or host_gib, not both")
     num = config.num_host_blocks
+    if gib is not None and num == 0:
+        raise InvalidInput(f"host_gib={gib} is less than one block of {config.bytes_per_block:,} bytes")
     if num > MAX_NUM_BLOCKS:
         raise InvalidInput(f"host_gib={gib} gives {num:,} host blocks, more than {MAX_NUM_BLOCKS:,}")
     if 0 < num < config.num_shards:

@@ -43,8 +43,8 @@ class UnknownSequence(AkvError, KeyError):
 class DuplicateSequence(InvalidInput):
     """A sequence with this id already exists."""
 
-    def __init__(self, seq_id: object) -> None:
-        super().__init__(f"sequence {seq_id!r} already exists")
+    def __init__(self, seq_id: object, detail: str = "") -> None:
+        super().__init__(f"sequence {seq_id!r} already exists{detail}")
         self.seq_id = seq_id
 
 
@@ -59,15 +59,19 @@ class PoolExhausted(AkvError):
             free queue while other sequences hold reservations.
         evictable_blocks: Cached blocks with refcount 0 that eviction could
             have reclaimed (already counted as usable; the shortage remains).
+        tier: ``"device"``, or ``"host"`` when the host tier is short (a
+            swap-out); the numbers are then host blocks.
     """
 
-    def __init__(self, requested_blocks: int, free_blocks: int, evictable_blocks: int) -> None:
+    def __init__(self, requested_blocks: int, free_blocks: int, evictable_blocks: int, tier: str = "device") -> None:
+        pool = "pool" if tier == "device" else f"{tier} tier"
         super().__init__(
-            f"pool exhausted: requested {requested_blocks} blocks, {free_blocks} free, {evictable_blocks} evictable"
+            f"{pool} exhausted: requested {requested_blocks} blocks, {free_blocks} free, {evictable_blocks} evictable"
         )
         self.requested_blocks = requested_blocks
         self.free_blocks = free_blocks
         self.evictable_blocks = evictable_blocks
+        self.tier = tier
 
 
 class RequestTooLarge(InvalidInput):

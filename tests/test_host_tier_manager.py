@@ -15,7 +15,7 @@ import anyio.lowlevel
 import pytest
 import torch
 
-from akv import Admit, KVCacheManager
+from akv import Admit, KVCacheConfig, KVCacheManager
 from akv.errors import DuplicateSequence, InvalidInput, PoolExhausted, UnknownSequence
 from akv.testing.prefix_model import history_values
 
@@ -132,7 +132,7 @@ async def test_swap_refusals_and_bad_input_change_nothing(tiny_config) -> None:
             await kv.step(admits=[Admit(seq_id="a", prompt=[1, 2, 3])])  # its id stays taken while swapped out
         await kv.free("b")
         assert await kv.swap_in("a") == 4
-        with pytest.raises(DuplicateSequence):
+        with pytest.raises(DuplicateSequence, match="it is live, not swapped out"):
             await kv.swap_in("a")
         assert await kv.free("a")
         await kv.check()
@@ -429,3 +429,20 @@ async def test_a_refusal_while_a_demotion_fills_the_host_tier_counts_no_stuck_bl
         assert await admit(kv, "q", big) == 0
         assert torch.equal(await read(kv, "q"), expected(kv, big))
         await kv.check()
+
+
+@pytest.mark.anyio
+async def test_a_full_host_tier_refuses_a_swap_out_naming_the_host(tiny_config) -> None:
+    async with KVCacheManager(tiny_config(num_blocks=16, host_blocks=4)) as kv:
+        await admit(kv, "a", prompt(1, blocks=3))  # 4 blocks with the partial tail
+        await admit(kv, "b", prompt(2, blocks=3))
+        await kv.swap_out("a")
+        with pytest.raises(PoolExhausted, match="host tier exhausted: requested 4 blocks, 0 free") as err:
+            await kv.swap_out("b")
+        assert err.value.tier == "host" and (await kv.stats()).num_sequences == 1
+        await kv.check()
+
+
+def test_a_host_gib_below_one_block_is_refused() -> None:
+    with pytest.raises(InvalidInput, match="less than one block"):
+        KVCacheConfig(num_blocks=64, block_size=4, host_gib=1e-9)

@@ -90,11 +90,11 @@ class ShardSwaps:
         blocks = seq.block_ids.tolist()
         n = len(blocks)
         if n > host.num_free + host.num_cached:
-            raise PoolExhausted(n, host.num_free, host.num_cached)
+            raise PoolExhausted(n, host.num_free, host.num_cached, tier="host")
         slots = self._host_room(n, frozenset(), out)
         if len(slots) < n:
             host.decref(slots, distinct=True)
-            raise PoolExhausted(n, host.num_free, 0)
+            raise PoolExhausted(n, host.num_free, 0, tier="host")
         row = seq.row
         t = self.tables
         rec = SwappedSequence(
@@ -158,7 +158,7 @@ class ShardSwaps:
         if self.host is None:
             raise InvalidInput(f"cannot swap in {seq_id!r}: the manager has no host tier (KVCacheConfig.host_blocks)")
         if seq_id in self.sequences:
-            raise DuplicateSequence(seq_id)
+            raise DuplicateSequence(seq_id, " (it is live, not swapped out)")
         rec = self.swapped.get(seq_id)
         if rec is None:
             raise UnknownSequence(seq_id)
