@@ -65,3 +65,26 @@ def test_cached_ancestors_enter_again_above_a_chain_released_late(policy: str) -
     assert state.pool.eviction_order() == [d, c, b, a, x]  # X, cached before, enters again above them
     assert state.evict(5, StepOutcome()) == 5 and state.counters.eviction_refusals == 0
     state.check()
+
+
+def test_a_step_short_of_room_takes_held_demotions_and_waits_for_their_copy() -> None:
+    """All 8 device blocks: 4 held in flight by the eviction loop's demotion, 4 active; a prompt of 3 blocks takes 3 of them."""
+    state = ShardState(0, range(0, 8), 2, null_block_id=8, host_ids=range(9, 17), sync_copies=False)
+    _admit(state, "old", [1, 2, 3, 4, 5, 6, 7, 8, 0])
+    state.step(StepRequest(frees=["old"]))
+    _admit(state, "busy", [9, 9, 8, 8, 7, 7, 6, 6])
+    demoting = StepOutcome()
+    assert state.evict(4, demoting) == 4 and state.pool.num_in_flight == 4 and state.pool.num_free == 0
+    assert state.evictable_now() == 4  # the held blocks count: a step may take them
+    out = _admit(state, "new", [5, 5, 4, 4, 3])
+    assert "new" in out.seq_ids and out.wait_transfer == demoting.transfer  # its runner waits for that copy
+    taken = set(state.get("new").block_ids.view().tolist())
+    assert taken <= {d for d, _ in demoting.demotes} and len(taken) == 3
+    assert all(state.pool.is_pinned(b) for b in taken)  # freed before the copy ran, it would stay in flight
+    assert all(h in state.unready for _, h in demoting.demotes)
+    state.transfer_done(demoting.transfer)
+    assert not state.unready and state.pool.total_pins == 0 and state.host.num_cached == 4
+    state.step(StepRequest(frees=["new", "busy"]))
+    again = _admit(state, "again", [1, 2, 3, 4, 5, 6, 7, 8, 0])
+    assert len(again.promoted) == 4  # the demoted chain is a host hit, its copy having run
+    state.check()

@@ -23,20 +23,21 @@ class ShardRoom:
     __slots__ = ()
 
     def _evictable(self, protected) -> int:
-        """Cached blocks eviction may take now: not the ``protected`` ones, nor those above a block a pending copy pins.
+        """Blocks eviction may free now: cached ones but the ``protected`` ones and those above a block a pending copy pins, plus pending held demotions.
 
         Exact, so that a refusal is decided before anything is evicted. The
         tree is walked only while a published block is pinned by a copy
         (O(pins + their depth)); otherwise one numpy pass over ``protected``.
         """
         pool = self.pool
+        held = self._reclaimable() if self.host is not None else 0
         pinned = pool.pinned_published()
         if not pinned:
-            return pool.num_cached - pool.num_cached_among(protected)
+            return pool.num_cached - pool.num_cached_among(protected) + held
         tree = self.tree
         blocked = tree.ancestors(pinned)
         blocked.update(protected)
-        return pool.num_cached - pool.num_cached_among(blocked)
+        return pool.num_cached - pool.num_cached_among(blocked) + held
 
     def _make_room(
         self, need: int, total: int, protected: PendingHits, out: StepOutcome, own: int = 0
@@ -108,19 +109,23 @@ class ShardRoom:
         claims room it could not make). Walks the tree only while such a
         pinned block exists; O(pins + their depth).
 
+        Plus the device blocks of held demotions whose copies are pending,
+        which :meth:`_evict` takes on demand (:meth:`~akv.core.tiers.ShardTiers._reclaim_held`).
+
         Returns:
-            The number of cached blocks (``int``) :meth:`_evict` can reclaim.
+            The number of blocks (``int``) :meth:`_evict` can free now.
         """
         pool = self.pool
+        held = self._reclaimable() if self.host is not None else 0
         pinned = pool.pinned_published()
         hb = self.host_base
         if hb is not None and self.unready:
             pinned += [b for b in self.unready if b >= hb]
         if not pinned:
-            return pool.num_cached
+            return pool.num_cached + held
         tree = self.tree
         above = tree.ancestors(pinned)
-        return pool.num_cached - sum(1 for b in above if pool.owns(b) and pool.state(b) == CACHED)  # device ones
+        return pool.num_cached + held - sum(1 for b in above if pool.owns(b) and pool.state(b) == CACHED)
 
     def _room_for_earmarks(self, num_blocks: int, out: StepOutcome) -> None:
         """Evict until ``num_blocks`` unreserved free blocks exist (:meth:`fork_room` found them); record it in ``out``."""
@@ -218,6 +223,8 @@ class ShardRoom:
                 self.counters.eviction_refusals += len(refused)
             if removed or moved:  # a removal can turn a refused parent into a leaf: try everything again
                 untried = pool.num_cached
+        if evicted < num_blocks and not held and self._transfers:
+            self._reclaim_held(num_blocks - evicted)  # free now; counted as evicted when they were demoted
         if evicted:
             self.counters.blocks_evicted += evicted
             self.counters.eviction_batches += 1

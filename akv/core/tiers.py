@@ -210,6 +210,39 @@ class ShardTiers:
         if newest != out.transfer:
             out.wait_transfer = newest if out.wait_transfer is None else max(newest, out.wait_transfer)
 
+    def _reclaimable(self) -> int:
+        """Device blocks of held demotions whose copies are pending: a step short of room may take them (O(transfers))."""
+        return sum(len(t.held) for t in self._transfers.values()) if self._transfers else 0
+
+    def _reclaim_held(self, num_blocks: int) -> int:
+        """Free up to ``num_blocks`` device blocks of pending held demotions, oldest transfer first.
+
+        A held demotion keeps its device block in flight until its copy ran
+        (the eviction loop's headroom). A step that needs the block now takes
+        it as a demotion on demand does: free at once, recorded in
+        ``released`` so that the step handing it out waits for that copy
+        (:meth:`_note_reused`). Its host block stays unready until then; if
+        the copy fails it is not put back (a failed copy fails the manager).
+
+        Returns:
+            The blocks freed.
+        """
+        freed = 0
+        for tid in sorted(self._transfers):
+            t = self._transfers[tid]
+            if not t.held or freed >= num_blocks:
+                continue
+            k = min(num_blocks - freed, len(t.held))
+            devs = [d for d, _ in t.held[:k]]
+            del t.held[:k]
+            taken = set(devs)
+            t.device_pins = [b for b in t.device_pins if b not in taken]
+            self.pool.unpin_copied(devs)  # unpublished and unreferenced: free now
+            t.released += devs
+            self.released.update(dict.fromkeys(devs, tid))
+            freed += k
+        return freed
+
     @property
     def num_pending_transfers(self) -> int:
         """Transfers whose copies have not been reported done."""
