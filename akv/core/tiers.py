@@ -26,7 +26,9 @@ by dropping its own leaves in its policy order. Blocks that cannot move
   that batch;
 - *held* (the eviction loop and ``evict()``): the device block stays in
   flight until the copy has completed, and only then becomes free; if the
-  copy fails, the block is put back where it was, cached on the device.
+  copy fails, the block is put back where it was, cached on the device. A
+  step short of room takes such blocks as on-demand ones
+  (:meth:`ShardTiers._reclaim_held`).
 
 Either way the host block is *unready* (never matched) until the copy has
 completed.
