@@ -16,16 +16,21 @@ from akv.replay.events_out import replay_with_events
 from akv.trace import default_trace_path, read_trace
 
 
-@pytest.mark.anyio
-async def test_events_file_rebuilds_the_final_cached_set(tmp_path) -> None:
-    requests = read_trace(default_trace_path(), limit=60)
-    # A tight pool of two shards: the replay evicts (on demand and in the background).
-    cfg = KVCacheConfig(num_blocks=1200, block_size=16, storage="none", num_shards=2, enable_events=True)
-    path = tmp_path / "events.jsonl"
+async def _replay_events(cfg: KVCacheConfig, limit: int, path) -> tuple:
+    """Replay the first ``limit`` requests writing events to ``path``: (report, final, as_of, keys, now, stats)."""
+    requests = read_trace(default_trace_path(), limit=limit)
     async with KVCacheManager(cfg) as kv:
         report, final, as_of = await replay_with_events(kv, lambda: replay(kv, requests, ReplayOptions()), path)
         keys, now = await kv.cached_keys()
-        stats = await kv.stats()
+        return report, final, as_of, keys, now, await kv.stats()
+
+
+@pytest.mark.anyio
+async def test_events_file_rebuilds_the_final_cached_set(tmp_path) -> None:
+    # A tight pool of two shards: the replay evicts (on demand and in the background).
+    cfg = KVCacheConfig(num_blocks=1200, block_size=16, storage="none", num_shards=2, enable_events=True)
+    path = tmp_path / "events.jsonl"
+    report, final, as_of, keys, now, stats = await _replay_events(cfg, 60, path)
     assert report.evictions > 0
     assert now == as_of
     batches = list(read_jsonl(path))
@@ -53,14 +58,10 @@ def test_cli_events_out_and_final_cached_blocks(tmp_path, capsys) -> None:
 
 @pytest.mark.anyio
 async def test_events_file_rebuilds_the_final_cached_set_per_medium_with_a_host_tier(tmp_path) -> None:
-    requests = read_trace(default_trace_path(), limit=40)
     # A small device pool and a smaller host tier: the replay demotes, promotes and drops host blocks.
     cfg = KVCacheConfig(num_blocks=600, block_size=16, storage="none", host_blocks=500, enable_events=True)
     path = tmp_path / "events.jsonl"
-    async with KVCacheManager(cfg) as kv:
-        _, final, as_of = await replay_with_events(kv, lambda: replay(kv, requests, ReplayOptions()), path)
-        keys, now = await kv.cached_keys()
-        stats = await kv.stats()
+    _, final, as_of, keys, now, stats = await _replay_events(cfg, 40, path)
     assert stats.demoted_blocks > 0 and stats.promoted_blocks > 0 and stats.host_evicted_blocks > 0
     assert now == as_of
     index = InstanceIndex(16)
