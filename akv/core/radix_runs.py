@@ -270,7 +270,7 @@ class RunQueries:
                 depth[run] = d
         out: list[int] = []
         for node in sorted(need, key=depth.__getitem__, reverse=True):
-            out.extend(node.blocks[need[node] - 1 :: -1] if need[node] else ())
+            out.extend(node.blocks[need[node] - 1 :: -1])
         return out
 
     def _leading(self, block_ids: Iterable[int], inclusive: int) -> dict[Run, int]:

@@ -30,14 +30,16 @@ class ShardRoom:
         (O(pins + their depth)); otherwise one numpy pass over ``protected``.
         """
         pool = self.pool
-        held = self._reclaimable() if self.host is not None else 0
-        pinned = pool.pinned_published()
+        return pool.num_cached - pool.num_cached_among(self._skipped(protected)) + self._reclaimable()
+
+    def _skipped(self, protected):
+        """``protected`` plus the cached blocks above a published block a pending copy pins (they wait for it)."""
+        pinned = self.pool.pinned_published()
         if not pinned:
-            return pool.num_cached - pool.num_cached_among(protected) + held
-        tree = self.tree
-        blocked = tree.ancestors(pinned)
+            return protected
+        blocked = self.tree.ancestors(pinned)
         blocked.update(protected)
-        return pool.num_cached - pool.num_cached_among(blocked) + held
+        return blocked
 
     def _make_room(
         self, need: int, total: int, protected: PendingHits, out: StepOutcome, own: int = 0
@@ -116,7 +118,7 @@ class ShardRoom:
             The number of blocks (``int``) :meth:`_evict` can free now.
         """
         pool = self.pool
-        held = self._reclaimable() if self.host is not None else 0
+        held = self._reclaimable()
         pinned = pool.pinned_published()
         hb = self.host_base
         if hb is not None and self.unready:
@@ -195,11 +197,7 @@ class ShardRoom:
             The number of blocks evicted (free now, or in flight to the host when ``held``).
         """
         pool, tree = self.pool, self.tree
-        pinned = pool.pinned_published()
-        if pinned:
-            blocked = tree.ancestors(pinned)
-            blocked.update(protected)
-            protected = blocked
+        protected = self._skipped(protected)
         demote = self.host is not None
         evicted = 0
         untried = pool.num_cached

@@ -231,8 +231,10 @@ class ShardTiers:
         """
         freed = 0
         for tid in sorted(self._transfers):
+            if freed >= num_blocks:
+                break
             t = self._transfers[tid]
-            if not t.held or freed >= num_blocks:
+            if not t.held:
                 continue
             k = min(num_blocks - freed, len(t.held))
             devs = [d for d, _ in t.held[:k]]
