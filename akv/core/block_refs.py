@@ -244,6 +244,8 @@ class BlockRefs:
         if not ids:
             return []
         base, pins = self.first_block_id, self._pins
+        if len(ids) <= _PY_LOOP_PINS and len(set(ids)) == len(ids):
+            return self._unpin_few(ids)
         off = np.array(ids, dtype=np.intp) - base
         np.subtract.at(pins, off, _ONE)
         left = pins[off]
@@ -258,6 +260,25 @@ class BlockRefs:
         entered = zero[self._published[zero]]
         self._release_many(zero, IN_FLIGHT)
         return (entered + base).tolist()
+
+    def _unpin_few(self, ids: list[int]) -> list[int]:
+        """:meth:`unpin_copied` of a few distinct blocks (a step's copy-on-write pair): a Python loop, no numpy call."""
+        base, mv = self.first_block_id, memoryview(self._pins)
+        if any(mv[b - base] <= 0 for b in ids):
+            b = next(b for b in ids if mv[b - base] <= 0)
+            raise ValueError(f"unpin of block {b}, pinned fewer times")
+        zero = []
+        for b in ids:
+            mv[b - base] -= 1
+            if not mv[b - base] and self._state[b - base] == IN_FLIGHT:
+                zero.append(b - base)
+        self.total_pins -= len(ids)
+        if not zero:
+            return []
+        published = self._published
+        entered = [i + base for i in zero if published[i]]
+        self._release_many(zero, IN_FLIGHT)
+        return entered
 
     def requeue(self, block_ids: list[int]) -> None:
         """Cached blocks enter the eviction order again now, in this order (as if released now).
@@ -324,6 +345,15 @@ class BlockRefs:
 
     def _hold_pinned(self, offsets: list[int] | np.ndarray) -> list[int] | np.ndarray:
         """Put the blocks among ``offsets`` that a pending copy pins in flight; return the others, in order."""
+        if type(offsets) is list and len(offsets) <= _PY_LOOP_PINS:
+            mv = memoryview(self._pins)
+            held = [i for i in offsets if mv[i]]
+            if not held:
+                return offsets
+            for i in held:
+                self._state[i] = IN_FLIGHT
+            self._counts[IN_FLIGHT] += len(held)
+            return [i for i in offsets if not mv[i]]
         off = offsets if type(offsets) is np.ndarray else np.array(offsets, dtype=np.intp)
         pinned = self._pins[off] != 0
         if not pinned.any():
