@@ -231,6 +231,10 @@ class KVCacheConfig:
         host_gib: The host tier's size in GiB instead of ``host_blocks``
             (``floor(host_gib * 2**30 / bytes_per_block)`` blocks); a real
             number > 0, or ``None``. Give at most one of the two.
+        copy_process: With CPU tensors and a host tier (Linux), run the
+            copies between the tiers in a child process on shared memory
+            (:mod:`akv.storage.copy_process`; ``True``, the default), off the
+            event loop's GIL; ``False``: on a worker thread.
 
     Types are exact: counts are ``int`` (numpy integers are made ``int``) in
     ``[1, limit]`` (:data:`MAX_NUM_BLOCKS` for ``num_blocks``,
@@ -271,6 +275,7 @@ class KVCacheConfig:
     require_snapshot: bool = False
     host_blocks: int = 0
     host_gib: float | None = None
+    copy_process: bool = True
 
     def __post_init__(self) -> None:
         limits = {
@@ -289,6 +294,7 @@ class KVCacheConfig:
         _bool_field(self, "enable_prefix_cache")
         _bool_field(self, "debug_invariants")
         _bool_field(self, "enable_events")
+        _bool_field(self, "copy_process")
         _events_window(self)
         _str_field(self, "storage", ("tensors", "none"))
         if type(self.eviction_policy) is not str or self.eviction_policy not in EVICTION_POLICIES:

@@ -186,7 +186,7 @@ class _Executor:
         ticket.finished = True
         return ticket
 
-    def submit_tiers(self, **pairs) -> _Ticket:
+    def submit_own(self, *phases) -> _Ticket:
         self.tickets.append(_Ticket())
         return self.tickets[-1]
 

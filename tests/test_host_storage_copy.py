@@ -19,7 +19,9 @@ from akv.storage.tier_copy import TierCopier
 NUM_BLOCKS, NUM_HOST = 10, 8
 
 
-def make_storage(dtype: torch.dtype = torch.float32, num_host_blocks: int = NUM_HOST, head_dim: int = 3) -> KVStorage:
+def make_storage(
+    dtype: torch.dtype = torch.float32, num_host_blocks: int = NUM_HOST, head_dim: int = 3, shared_memory: bool = False
+) -> KVStorage:
     storage = KVStorage(
         num_blocks=NUM_BLOCKS,
         block_size=4,
@@ -29,6 +31,7 @@ def make_storage(dtype: torch.dtype = torch.float32, num_host_blocks: int = NUM_
         dtype=dtype,
         device="cpu",
         num_host_blocks=num_host_blocks,
+        shared_memory=shared_memory,
     )
     gen = torch.Generator().manual_seed(7)
     for cache in storage.kv_caches + (storage.host.kv_caches if storage.host is not None else []):

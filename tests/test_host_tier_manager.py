@@ -8,6 +8,8 @@ block tables. Bad input and refusals change nothing.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 
 import anyio
@@ -194,10 +196,24 @@ async def test_a_swapped_sequence_cannot_be_forked_or_reused_as_a_child_id(tiny_
         await kv.check()
 
 
-def _hold_copies(kv: KVCacheManager) -> threading.Event:
-    """Hold every copy batch of the stream worker until the returned event is set."""
+class _StoppedChild:
+    """A copy process held with SIGSTOP; :meth:`set` lets it go on (SIGCONT)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        os.kill(pid, signal.SIGSTOP)
+
+    def set(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+
+def _hold_copies(kv: KVCacheManager) -> threading.Event | _StoppedChild:
+    """Hold every copy batch until the returned gate is set: the copy process stopped, or the worker thread's copier."""
+    process = kv._executor._process  # reaching in on purpose: the real copies, held at their seam
+    if process is not None:
+        return _StoppedChild(process.pid)
     gate = threading.Event()
-    copier = kv._executor._cpu_copier  # reaching in on purpose: the real copies, held at their seam
+    copier = kv._executor._cpu_copier
     run = copier.run
 
     def held(batch) -> None:

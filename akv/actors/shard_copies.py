@@ -62,14 +62,7 @@ class ShardCopies:
                     h2d_src = [h - hb for h in outcome.promoted] + [h - hb for h, _ in outcome.swap_ins]
                     h2d_dst = outcome.promoted_to + [d for _, d in outcome.swap_ins]
                     to_host, to_device = len(d2h_src), len(h2d_src)
-                    ticket = self.copy_executor.submit_tiers(
-                        d2h_src_ids=d2h_src,
-                        d2h_dst_slots=d2h_dst,
-                        d2d_src_ids=src,
-                        d2d_dst_ids=dst,
-                        h2d_src_slots=h2d_src,
-                        h2d_dst_ids=h2d_dst,
-                    )
+                    ticket = self.copy_executor.submit_own(d2h_src, d2h_dst, src, dst, h2d_src, h2d_dst)
                 else:
                     ticket = self.copy_executor.submit(src, dst)
             except AkvError as exc:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from akv.errors import InvalidInput
+from akv.storage.shared_memory import SharedArena, shared_memory_available
 from akv.storage.tensor_args import check_range, index_tensor, raw_bytes
 
 if TYPE_CHECKING:
@@ -78,6 +79,8 @@ class HostKVStorage:
         cuda_device: The CUDA device the pool serves: the memory is then
             page-locked with that device current (so its context owns the
             registration); ``None``: plain pageable memory (CPU pools).
+        shared_memory: Allocate in anonymous shared memory for a copy process
+            (:mod:`akv.storage.shared_memory`; CPU pools only).
 
     Attributes:
         kv_caches: One tensor per layer,
@@ -103,6 +106,7 @@ class HostKVStorage:
         head_dim: int,
         dtype: torch.dtype,
         cuda_device: torch.device | str | None = None,
+        shared_memory: bool = False,
     ) -> None:
         sizes = {
             "num_blocks": num_blocks,
@@ -133,10 +137,18 @@ class HostKVStorage:
                 f"cannot allocate the host KV pool ({nbytes / 2**30:,.2f} GiB of {kind}): "
                 f"more than this machine's {physical / 2**30:,.1f} GiB of memory"
             )
+        if shared_memory and (self.pinned or not shared_memory_available()):
+            raise InvalidInput("a host pool in shared memory must be a CPU pool on Linux (not pinned)")
+        #: The shared memory behind :attr:`kv_caches` (``shared_memory=True``), else ``None``.
+        self.arena = SharedArena(nbytes, "akv-host-pool") if shared_memory else None
         try:
             # each: (2, num_blocks, block_size, num_kv_heads, head_dim), K then V; no null block
             # uninitialised: a slot is only read after a copy wrote it, and untouched pages cost no memory
-            self.kv_caches: list[torch.Tensor] = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
+            self.kv_caches: list[torch.Tensor] = (
+                self.arena.tensors(num_layers, shape, dtype)
+                if self.arena is not None
+                else [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
+            )
             if cuda_device is not None:
                 _register(self.kv_caches, torch.device(cuda_device))
         except RuntimeError as exc:  # out of memory, page-locking refused, bad device
@@ -148,11 +160,11 @@ class HostKVStorage:
             weakref.finalize(self, _unregister, list(self.kv_caches)).atexit = False
 
     @classmethod
-    def like(cls, storage: KVStorage, num_blocks: int) -> HostKVStorage:
+    def like(cls, storage: KVStorage, num_blocks: int, *, shared_memory: bool = False) -> HostKVStorage:
         """A host pool of ``num_blocks`` slots with ``storage``'s block shape and dtype.
 
         Page-locked for ``storage``'s device when it is a CUDA device, plain
-        CPU memory otherwise.
+        CPU memory otherwise (shared memory with ``shared_memory``).
 
         Raises:
             InvalidInput: ``num_blocks`` is not a positive int, or the
@@ -166,6 +178,7 @@ class HostKVStorage:
             head_dim=storage.head_dim,
             dtype=storage.dtype,
             cuda_device=storage.device if storage.device.type == "cuda" else None,
+            shared_memory=shared_memory,
         )
 
     @property

@@ -24,11 +24,14 @@ No asyncio here; :class:`akv.storage.stream_worker.CopyExecutor` runs
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from akv.config import KVCacheConfig
 from akv.errors import InvalidInput
 from akv.storage.host_pool import HostKVStorage
+from akv.storage.shared_memory import SharedArena, shared_memory_available
 from akv.storage.tensor_args import (
     IndexLike,
     ids_and_list,
@@ -53,6 +56,10 @@ class KVStorage:
         device: Device of the tensors (``"cpu"``, ``"cuda:0"``, ...).
         num_host_blocks: Slots of a host-memory tier to allocate beside the
             pool (0, the default: none); see :class:`HostKVStorage`.
+        shared_memory: Allocate both pools in anonymous shared memory
+            (:mod:`akv.storage.shared_memory`, CPU only, Linux), so that a
+            copy process can run the cross-tier copies
+            (:mod:`akv.storage.copy_process`). ``False``: private memory.
 
     Attributes:
         kv_caches: One tensor per layer,
@@ -81,6 +88,7 @@ class KVStorage:
         dtype: torch.dtype,
         device: torch.device | str,
         num_host_blocks: int = 0,
+        shared_memory: bool = False,
     ) -> None:
         if not isinstance(num_host_blocks, int) or isinstance(num_host_blocks, bool) or num_host_blocks < 0:
             raise InvalidInput(f"num_host_blocks must be a non-negative int, got {num_host_blocks!r}")
@@ -102,6 +110,8 @@ class KVStorage:
             raise InvalidInput(f"bad device {device!r}: {exc}") from None
         if device.type == "cuda" and not torch.cuda.is_available():
             raise InvalidInput("device 'cuda' requested but CUDA is not available on this machine")
+        if shared_memory and (device.type != "cpu" or not shared_memory_available()):
+            raise InvalidInput(f"shared_memory needs CPU pools on Linux, got device {device} on {sys.platform}")
         self.num_blocks = num_blocks
         self.null_block_id = num_blocks
         self.block_size = block_size
@@ -110,21 +120,29 @@ class KVStorage:
         self.head_dim = head_dim
         shape = (2, num_blocks + 1, block_size, num_kv_heads, head_dim)
         # each: (2, num_blocks + 1, block_size, num_kv_heads, head_dim), K then V; the last block is the null block
+        nbytes = num_layers * 2 * (num_blocks + 1) * block_size * num_kv_heads * head_dim * dtype.itemsize
+        #: The shared memory behind :attr:`kv_caches` (``shared_memory=True``), else ``None``.
+        self.arena = SharedArena(nbytes, "akv-device-pool") if shared_memory else None
         try:
-            self.kv_caches: list[torch.Tensor] = [
-                torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
-            ]
+            self.kv_caches: list[torch.Tensor] = (
+                self.arena.tensors(num_layers, shape, dtype)  # zero-filled, like a fresh memfd
+                if self.arena is not None
+                else [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            )
         except RuntimeError as exc:  # includes torch.OutOfMemoryError
-            nbytes = num_layers * 2 * (num_blocks + 1) * block_size * num_kv_heads * head_dim * dtype.itemsize
             raise InvalidInput(f"cannot allocate the KV pool ({nbytes / 2**30:,.2f} GiB on {device}): {exc}") from None
-        self.host: HostKVStorage | None = HostKVStorage.like(self, num_host_blocks) if num_host_blocks else None
+        self.host: HostKVStorage | None = (
+            HostKVStorage.like(self, num_host_blocks, shared_memory=shared_memory) if num_host_blocks else None
+        )
 
     @classmethod
     def from_config(cls, config: KVCacheConfig) -> KVStorage | None:
         """Allocate the tensors a :class:`~akv.config.KVCacheConfig` describes.
 
         With ``config.num_host_blocks > 0`` the storage gets a host tier of
-        that many slots (:attr:`host`).
+        that many slots (:attr:`host`); on the CPU (Linux, with
+        ``config.copy_process``) both pools are then in shared memory, for
+        the copy process (``shared_memory=True``).
 
         Returns:
             The storage, or ``None`` when ``config.storage == "none"``
@@ -137,6 +155,7 @@ class KVStorage:
         if config.storage == "none":
             return None
         shape = config.model
+        device = torch.device(config.device)
         return cls(
             num_blocks=config.num_blocks,
             block_size=config.block_size,
@@ -144,8 +163,14 @@ class KVStorage:
             num_kv_heads=shape.num_kv_heads,
             head_dim=shape.head_dim,
             dtype=torch_dtype(shape.dtype),
-            device=config.device,
+            device=device,
             num_host_blocks=config.num_host_blocks,
+            shared_memory=(
+                config.copy_process
+                and config.num_host_blocks > 0
+                and device.type == "cpu"
+                and shared_memory_available()
+            ),
         )
 
     @property

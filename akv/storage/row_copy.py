@@ -11,9 +11,9 @@ does 25-40 GB/s). Fast single-pass primitives exist for three shapes of batch:
 - ``runs``: pairs whose source and destination both advance by one form a run,
   copied as one slice (numpy's ``dst[:, d:d+k] = src[:, s:s+k]``, a memcpy
   that costs about 1.5 µs per call where ``torch.Tensor.copy_`` costs 4);
-- ``gather``: destinations sorted into consecutive runs, each filled with
-  ``torch.index_select(src, 1, src_ids, out=dst[:, d:d+k])`` (memcpy per row,
-  no temporary);
+- ``gather``: destinations sorted into consecutive runs, each plane (K, V)
+  filled with ``np.take(src[p], src_ids, axis=0, out=dst[p, d:d+k])``
+  (memcpy per row, no temporary; 1.5-2.5x torch's ``index_select`` here);
 - ``scatter``: sources sorted into consecutive runs, each written with numpy's
   fancy assignment ``dst[:, dst_ids] = src[:, s:s+k]`` (memcpy per row; numpy
   releases the GIL);
@@ -22,18 +22,18 @@ does 25-40 GB/s). Fast single-pass primitives exist for three shapes of batch:
 
 :func:`plan_row_copy` picks the kind with the lowest estimated cost per layer
 (calls times :data:`CALL_COST_US`, plus the ``chunked`` buffer's pass; ties in
-the order above); the plan
-depends on the ids only, so one plan serves every layer. Every numpy and torch
-call used here releases the GIL while it copies. Measured in ``stress/bench_tier_copy.py`` (docs/host_tier.md, "Copy
-throughput").
+the order above); the plan depends on the ids only, so one plan serves every
+layer. The module needs numpy only (no torch): the copy process
+(:mod:`akv.storage.copy_child`) runs it on shared memory. Measured in
+``stress/bench_tier_copy.py`` (docs/host_tier.md, "Copy throughput").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-import torch
 
 #: Bytes gathered per step of a ``chunked`` copy: half of one core's L2 on the
 #: reference VM, so the scatter reads the buffer from cache.
@@ -44,8 +44,8 @@ KINDS = ("runs", "gather", "scatter", "chunked")
 
 #: Estimated overhead of one call of each kind, in µs (a ``chunked`` step is two
 #: calls), measured on the 2-core VM with ``stress/bench_tier_copy.py``'s
-#: shapes: numpy slice assignment 1.5, numpy fancy assignment 3, torch
-#: ``index_select`` 4. The bytes themselves cost the same in every kind, except
+#: shapes: numpy slice assignment 1.5, numpy fancy assignment 3, ``np.take``
+#: into both planes 4. The bytes themselves cost the same in every kind, except
 #: the ``chunked`` buffer's second pass (:data:`BUFFER_BYTES_PER_US`).
 CALL_COST_US = {"runs": 1.5, "gather": 4.0, "scatter": 3.0, "chunked": 7.0}
 
@@ -66,7 +66,7 @@ class RowCopyPlan:
             ``(dst_start, offset, length)`` into :attr:`src_ids` for
             ``gather``; ``(src_start, offset, length)`` into :attr:`dst_ids`
             for ``scatter``; empty for ``chunked``.
-        src_ids: ``(m,)`` int64 CPU tensor of source rows in the plan's order
+        src_ids: ``(m,)`` int64 numpy array of source rows in the plan's order
             (by destination for ``gather`` and ``chunked``).
         dst_ids: ``(m,)`` int64 numpy array of destination rows in the plan's
             order (by source for ``scatter``, by destination for ``chunked``).
@@ -76,7 +76,7 @@ class RowCopyPlan:
     kind: str
     num_pairs: int
     runs: tuple[tuple[int, int, int], ...]
-    src_ids: torch.Tensor
+    src_ids: np.ndarray
     dst_ids: np.ndarray
     chunk_rows: int
 
@@ -135,10 +135,10 @@ def plan_row_copy(dst_ids: np.ndarray, src_ids: np.ndarray, row_bytes: int, kind
     m = len(dst_ids)
     chunk_rows = max(1, CHUNK_BYTES // (2 * row_bytes))
     if m == 0:
-        return RowCopyPlan(kind or "runs", 0, (), torch.empty(0, dtype=torch.int64), dst_ids, chunk_rows)
+        return RowCopyPlan(kind or "runs", 0, (), np.empty(0, dtype=np.int64), dst_ids, chunk_rows)
     if kind in (None, "runs") and (m == 1 or (np.all(np.diff(dst_ids) == 1) and np.all(np.diff(src_ids) == 1))):
         run = ((int(dst_ids[0]), int(src_ids[0]), m),)  # one run in the given order: no sort needed
-        return RowCopyPlan("runs", m, run, torch.from_numpy(np.ascontiguousarray(src_ids)), dst_ids, chunk_rows)
+        return RowCopyPlan("runs", m, run, np.ascontiguousarray(src_ids), dst_ids, chunk_rows)
     by_dst = np.argsort(dst_ids, kind="stable")
     d_sorted, s_by_d = dst_ids[by_dst], src_ids[by_dst]
     by_src = np.argsort(src_ids, kind="stable")
@@ -157,38 +157,41 @@ def plan_row_copy(dst_ids: np.ndarray, src_ids: np.ndarray, row_bytes: int, kind
     elif kind == "gather":
         runs = runs_of(gather, d_sorted)
     elif kind == "scatter":
-        return RowCopyPlan(kind, m, runs_of(scatter, s_sorted), torch.from_numpy(s_sorted), d_by_s, chunk_rows)
+        return RowCopyPlan(kind, m, runs_of(scatter, s_sorted), s_sorted, d_by_s, chunk_rows)
     else:
         runs = ()
-    return RowCopyPlan(kind, m, runs, torch.from_numpy(np.ascontiguousarray(s_by_d)), d_sorted, chunk_rows)
+    return RowCopyPlan(kind, m, runs, np.ascontiguousarray(s_by_d), d_sorted, chunk_rows)
 
 
-def copy_rows(dst: torch.Tensor, src: torch.Tensor, plan: RowCopyPlan) -> None:
+def copy_rows(dst: Any, src: Any, plan: RowCopyPlan) -> None:
     """Run a plan on one layer: ``dst[:, d] = src[:, s]`` for each planned pair.
 
     Args:
-        dst: ``(2, n_dst, row)`` CPU tensor (a :func:`~akv.storage.tensor_args.row_view`).
-        src: ``(2, n_src, row)`` CPU tensor of the same dtype and row length;
-            a different tensor from ``dst`` (numpy would copy an overlapping
-            source first, but the plans assume no overlap).
+        dst: ``(2, n_dst, row)`` numpy array, or CPU tensor (viewed through
+            ``np.asarray``, no copy), e.g. a :func:`~akv.storage.tensor_args.row_view`.
+        src: ``(2, n_src, row)``, the same dtype and row length; a different
+            array from ``dst`` (numpy would copy an overlapping source first,
+            but the plans assume no overlap).
     """
     kind = plan.kind
+    dst_np, src_np = np.asarray(dst), np.asarray(src)
     if kind == "runs":
-        dst_np, src_np = dst.numpy(), src.numpy()
         for d, s, k in plan.runs:
             dst_np[:, d : d + k] = src_np[:, s : s + k]
     elif kind == "gather":
+        ids = plan.src_ids
         for d, i, k in plan.runs:
-            torch.index_select(src, 1, plan.src_ids[i : i + k], out=dst[:, d : d + k])
+            np.take(src_np[0], ids[i : i + k], axis=0, out=dst_np[0, d : d + k], mode="clip")
+            np.take(src_np[1], ids[i : i + k], axis=0, out=dst_np[1, d : d + k], mode="clip")
     elif kind == "scatter":
-        dst_np, src_np = dst.numpy(), src.numpy()
         for s, i, k in plan.runs:
             dst_np[:, plan.dst_ids[i : i + k]] = src_np[:, s : s + k]
     elif plan.num_pairs:
         step = plan.chunk_rows
-        buf = torch.empty((2, min(step, plan.num_pairs), src.shape[2]), dtype=src.dtype)
-        dst_np, buf_np = dst.numpy(), buf.numpy()
+        buf = np.empty((2, min(step, plan.num_pairs), src_np.shape[2]), dtype=src_np.dtype)
         for i in range(0, plan.num_pairs, step):
             k = min(step, plan.num_pairs - i)
-            torch.index_select(src, 1, plan.src_ids[i : i + k], out=buf[:, :k])
-            dst_np[:, plan.dst_ids[i : i + k]] = buf_np[:, :k]
+            ids = plan.src_ids[i : i + k]
+            np.take(src_np[0], ids, axis=0, out=buf[0, :k], mode="clip")
+            np.take(src_np[1], ids, axis=0, out=buf[1, :k], mode="clip")
+            dst_np[:, plan.dst_ids[i : i + k]] = buf[:, :k]

@@ -24,26 +24,32 @@ returns. Cross-tier phases are enqueued the same way, all on the copy stream,
 with no CPU-side step; :mod:`akv.storage.tier_cuda` gives the ordering
 argument.
 
-On CPU, the worker thread runs the copies with torch and numpy ops (large
-copies release the GIL), the phases of a batch in order; the host pool is
-touched by the worker thread only. With ``CopyExecutor(None)`` (metadata-only
-pools) every batch completes inside ``submit`` and no tensor is touched.
+On CPU with a host tier in shared memory (what
+:meth:`KVStorage.from_config` allocates on Linux), a child process runs the
+copies (:mod:`akv.storage.copy_process`): ``submit`` writes the batch to it,
+and the worker thread reads its answers and settles the tickets. Otherwise
+(no host tier, or private memory) the worker thread runs the copies with
+numpy and torch ops, the phases of a batch in order. With
+``CopyExecutor(None)`` (metadata-only pools) every batch completes inside
+``submit`` and no tensor is touched.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from akv.errors import ActorCrashed, InvalidInput, ManagerClosed
+from akv.storage.copy_process import CopyProcess
 from akv.storage.copy_ticket import CopyTicket
 from akv.storage.kv_pool import KVStorage
 from akv.storage.tensor_args import IndexLike
-from akv.storage.tier_copy import TierBatch, TierCopier, check_tier_batch, tier_batch_sizes
+from akv.storage.tier_copy import TierBatch, TierCopier, check_tier_batch, own_tier_batch, tier_batch_sizes
 from akv.storage.tier_cuda import CudaTierCopier
 
 _ACTOR = "stream worker"
@@ -79,13 +85,22 @@ class CopyExecutor:
         zero_copy: On CUDA, let fragmented cross-tier phases run as kernels on
             a device alias of the pinned host pool (see
             :mod:`akv.storage.tier_cuda`); ``False``: DMA only. Ignored on CPU.
+        process: On CPU, run the copies in a child process
+            (:mod:`akv.storage.copy_process`); ``None`` (default): when the
+            pools are in shared memory with a host tier; ``False``: on the
+            worker thread.
+
+    Raises:
+        InvalidInput: ``process=True`` without CPU pools in shared memory
+            with a host tier.
+        OSError: The copy process could not be started.
 
     Attributes:
         completed_seq_no: ``seq_no`` of the last batch that finished or failed
             (0 before any); monotone, readable from any thread.
     """
 
-    def __init__(self, storage: KVStorage | None, *, zero_copy: bool = True) -> None:
+    def __init__(self, storage: KVStorage | None, *, zero_copy: bool = True, process: bool | None = None) -> None:
         self.storage = storage
         self.completed_seq_no = 0
         self._queue: queue.SimpleQueue[_Job | object] = queue.SimpleQueue()
@@ -97,7 +112,20 @@ class CopyExecutor:
         self._failure: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._cuda = storage is not None and storage.device.type == "cuda"
-        self._cpu_copier = TierCopier(storage) if storage is not None and not self._cuda else None
+        shared = (
+            storage is not None
+            and storage.arena is not None
+            and storage.host is not None
+            and storage.host.arena is not None
+        )
+        if process and not shared:
+            raise InvalidInput("process=True needs CPU pools in shared memory with a host tier")
+        #: The child running the CPU copies, or ``None`` (worker thread, CUDA, metadata).
+        self._process = CopyProcess(storage) if shared and process is not False and storage is not None else None
+        self._inflight: deque[CopyTicket] = deque()  # batches written to the process, not yet answered
+        self._cpu_copier = (
+            TierCopier(storage) if storage is not None and not self._cuda and self._process is None else None
+        )
         self._cuda_copier = CudaTierCopier(storage, zero_copy) if storage is not None and self._cuda else None
         #: Called from the worker thread with the :class:`ActorCrashed` of a failed
         #: batch (a device error), once per failed batch; the manager fails itself.
@@ -227,6 +255,23 @@ class CopyExecutor:
             return self._submit_metadata(*tier_batch_sizes(**phases))
         return self._submit_batch(check_tier_batch(self.storage, **phases))
 
+    def submit_own(self, *phases: list[int]) -> CopyTicket:
+        """Queue a pool shard's own batch (six lists of ints, as :meth:`submit_tiers` names them, in that order).
+
+        For the manager's batches, built from its block states: ids are
+        range-checked, destinations are not searched for repeats
+        (:func:`~akv.storage.tier_copy.own_tier_batch`). Otherwise as
+        :meth:`submit_tiers`.
+
+        Raises:
+            InvalidInput: Lengths differ or an id is out of range.
+            ManagerClosed: :meth:`close` was called.
+            ActorCrashed: An earlier batch failed.
+        """
+        if self.storage is None:
+            return self._submit_metadata(len(phases[0]), len(phases[2]), len(phases[4]))
+        return self._submit_batch(own_tier_batch(self.storage, *phases))
+
     def _submit_metadata(self, num_d2h: int, num_d2d: int, num_h2d: int) -> CopyTicket:
         """Metadata mode: number the batch and complete it at once."""
         with self._lock:
@@ -261,11 +306,25 @@ class CopyExecutor:
                     self._failure = err
                     raise ActorCrashed(_ACTOR, err) from err
                 job = _Job(CopyTicket(seq_no=seq_no, nbytes=nbytes, fence=fence, **counts), None, keepalive)
+            elif self._process is not None:
+                return self._send_locked(CopyTicket(seq_no=seq_no, nbytes=nbytes, fence=None, **counts), batch)
             else:
                 job = _Job(CopyTicket(seq_no=seq_no, nbytes=nbytes, fence=None, **counts), batch)
             self._next_seq_no += 1
             self._queue.put(job)
         return job.ticket
+
+    def _send_locked(self, ticket: CopyTicket, batch: TierBatch) -> CopyTicket:
+        """Write a numbered batch to the copy process (the lock held: requests go out in ``seq_no`` order)."""
+        assert self._process is not None, "no copy process"
+        self._inflight.append(ticket)
+        try:
+            self._process.send(ticket.seq_no, batch)
+        except OSError as err:  # the child has exited: the worker thread breaks the executor at end of file
+            self._inflight.pop()
+            raise ActorCrashed(_ACTOR, self._failure or err) from err
+        self._next_seq_no += 1
+        return ticket
 
     def _check_open_locked(self) -> None:
         if self._closed:
@@ -305,6 +364,11 @@ class CopyExecutor:
             self._abort = self._abort or not drain
             run_here = not self._claimed
             self._claimed = True
+            if self._process is not None:
+                if drain:
+                    self._process.close_input()  # the child exits after the batches written
+                else:
+                    self._process.kill()
         if run_here:
             self._loop()
         thread = self._thread
@@ -312,6 +376,9 @@ class CopyExecutor:
             thread.join(timeout_s)
 
     def _loop(self) -> None:
+        if self._process is not None:
+            self._answers_loop(self._process)
+            return
         while True:
             job = self._queue.get()
             if job is _STOP:
@@ -336,6 +403,45 @@ class CopyExecutor:
         self.completed_seq_no = job.ticket.seq_no
         job.ticket._finish(exc)
 
+    def _answers_loop(self, process: CopyProcess) -> None:
+        """Settle the tickets the copy process answers, in order, until it exits; then fail the unanswered."""
+        while (answers := process.completions()) is not None:
+            for seq_no, message in answers:
+                ticket = self._inflight.popleft()
+                assert ticket.seq_no == seq_no, f"copy process answered {seq_no}, expected {ticket.seq_no}"
+                exc = None
+                if message is not None:
+                    exc = self._crash(RuntimeError(f"copy process failed batch {seq_no}: {message}"))
+                self.completed_seq_no = seq_no
+                ticket._finish(exc)
+        status = process.wait()
+        with self._lock:
+            aborted, failure = self._abort, self._failure
+        if failure is None and (self._inflight or not self._closed):  # killed, or died: no copy runs from here on
+            failure = RuntimeError(f"copy process exited (status {status}), {len(self._inflight)} batches unanswered")
+        if failure is not None and not aborted:
+            self._crash(failure)
+        while self._inflight:
+            ticket = self._inflight.popleft()
+            if aborted:
+                exc: BaseException = ManagerClosed(f"copy executor closed before batch {ticket.seq_no} ran")
+            else:
+                exc = ActorCrashed(_ACTOR, failure)
+                exc.__cause__ = failure
+            self.completed_seq_no = ticket.seq_no
+            ticket._finish(exc)
+
+    def _crash(self, err: BaseException) -> ActorCrashed:
+        """Break the executor with ``err`` (once) and tell :attr:`on_failure`; the error for the batch."""
+        exc = ActorCrashed(_ACTOR, err)
+        exc.__cause__ = err
+        with self._lock:
+            first = self._failure is None
+            self._failure = self._failure or err
+        if first and self.on_failure is not None:
+            self.on_failure(exc)
+        return exc
+
     def _execute(self, job: _Job) -> None:
         if self._failure is not None:
             raise ActorCrashed(_ACTOR, self._failure) from self._failure
@@ -348,4 +454,6 @@ class CopyExecutor:
 
     def __repr__(self) -> str:
         mode = "metadata" if self.storage is None else str(self.storage.device)
+        if self._process is not None:
+            mode += f", {self._process!r}"
         return f"CopyExecutor({mode}, completed_seq_no={self.completed_seq_no}, closed={self._closed})"

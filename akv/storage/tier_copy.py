@@ -163,6 +163,37 @@ def check_tier_batch(
     return TierBatch(*d2h, *d2d, *h2d)
 
 
+def own_tier_batch(storage: KVStorage, *phases: list[int]) -> TierBatch:
+    """A batch of the manager's own copies: six lists of ints, range-checked, not searched for repeats.
+
+    The pool shards build their batches from their block states, where
+    distinct destinations hold by construction (``check()`` and the state
+    machines verify the states); :func:`check_tier_batch`'s repeat search
+    (a sort per phase) would cost more than the bookkeeping it checks.
+
+    Args:
+        storage: The pools the ids index.
+        phases: ``d2h_src_ids, d2h_dst_slots, d2d_src_ids, d2d_dst_ids,
+            h2d_src_slots, h2d_dst_ids``, pairwise of equal length.
+
+    Raises:
+        InvalidInput: Lengths differ or an id is out of range (a bug in the
+            caller: nothing is queued).
+    """
+    host_blocks = 0 if storage.host is None else storage.host.num_blocks
+    limits = (storage.num_blocks, host_blocks, storage.num_blocks, storage.num_blocks, host_blocks, storage.num_blocks)
+    arrays = []
+    for ids, limit in zip(phases, limits, strict=True):
+        arr = np.array(ids, dtype=np.int64)
+        if len(arr) and (arr.min() < 0 or arr.max() >= limit):
+            raise InvalidInput(f"copy ids out of range: min {arr.min()}, max {arr.max()}, must lie in [0, {limit})")
+        arrays.append(torch.from_numpy(arr))
+    for src, dst in zip(arrays[::2], arrays[1::2]):
+        if len(src) != len(dst):
+            raise InvalidInput(f"a copy phase has {len(src)} sources but {len(dst)} destinations")
+    return TierBatch(*arrays)
+
+
 def tier_batch_sizes(**phases: IndexLike) -> tuple[int, int, int]:
     """Metadata mode's only check: each phase's two lengths agree.
 

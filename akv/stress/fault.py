@@ -14,6 +14,9 @@ Kinds (``--fault``):
 Both copy faults wrap the stream worker's CPU copier
 (:class:`~akv.storage.tier_copy.TierCopier`), which runs every batch:
 copy-on-write copies and, with a host tier, demotions, promotions and swaps.
+Runs with a copy fault therefore configure ``copy_process=False`` (the copy
+process has no seam to wrap; its failures are a child's error answer or its
+death, tested in ``tests/test_copy_process.py``).
 
 Each wraps the real component's method on the running manager (the harness
 reaches in on purpose: there is no public fault hook); nothing under test is
@@ -34,6 +37,9 @@ import anyio
 
 from akv.manager import KVCacheManager
 from akv.stress.options import FATAL_FAULTS
+
+#: The faults that wrap the worker thread's copier.
+COPY_FAULTS = ("slow_copies", "failing_copies")
 
 
 class FaultInjector:

@@ -44,6 +44,7 @@ from akv.stress.event_check import EventCheck
 from akv.stress.fault import FaultInjector
 from akv.stress.kv_io import quiesce
 from akv.stress.metrics import Metrics
+from akv.stress.fault import COPY_FAULTS
 from akv.stress.options import StressOptions
 from akv.stress.probe import EXPECTED_ORDER, probe_eviction_order, probe_pending_hits, probe_pinned_child
 from akv.stress.report import FaultInjection, StressReport
@@ -67,6 +68,7 @@ def stress_config(options: StressOptions) -> KVCacheConfig:
         enable_events=options.events,
         host_blocks=options.host_blocks,
         host_gib=options.host_gib,
+        copy_process=options.fault not in COPY_FAULTS,  # those wrap the worker thread's copier
     )
 
 

@@ -1,0 +1,85 @@
+"""Anonymous shared memory for the K/V pools of a CPU copy process: one ``memfd`` per pool, mapped as torch tensors.
+
+With a host tier on the CPU, block copies between the tiers run in a child
+process (:mod:`akv.storage.copy_process`) so that they take no time from the
+event loop's thread (a copy thread would share its GIL). Both pools then live
+in memory the child maps too: a ``memfd_create`` file (Linux), sized with
+``ftruncate`` (pages are allocated when first touched, zero-filled, as
+anonymous memory is) and mapped ``MAP_SHARED`` by each process. The file has
+no name in any file system: nothing to clean up after a crash, and the memory
+is returned once the last process holding the descriptor or a mapping exits.
+
+The layer tensors are ``torch.frombuffer`` views of the mapping, the same
+shapes, dtypes and strides as the private allocation
+(:class:`~akv.storage.kv_pool.KVStorage`); they keep the mapping alive.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import sys
+import weakref
+
+import torch
+
+from akv.errors import InvalidInput
+
+
+def shared_memory_available() -> bool:
+    """Whether this platform has ``os.memfd_create`` (Linux with Python 3.8+)."""
+    return sys.platform.startswith("linux") and hasattr(os, "memfd_create")
+
+
+class SharedArena:
+    """One ``memfd`` of ``nbytes``, mapped read-write; tensors are views into it.
+
+    Args:
+        nbytes: Size in bytes, ``> 0``.
+        name: A label for ``/proc/<pid>/fd`` (e.g. ``"akv-device-pool"``).
+
+    Attributes:
+        fd: The memfd descriptor (close-on-exec; a child gets it through
+            ``subprocess.Popen(pass_fds=...)``), closed when the arena is
+            garbage collected.
+        nbytes: The size.
+
+    Raises:
+        InvalidInput: ``nbytes`` is not positive, or the kernel refuses the
+            file or the mapping (the message gives the GiB and the error).
+    """
+
+    def __init__(self, nbytes: int, name: str) -> None:
+        if nbytes <= 0:
+            raise InvalidInput(f"a shared arena needs a positive size, got {nbytes}")
+        try:
+            fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        except (AttributeError, OSError) as exc:
+            raise InvalidInput(f"cannot create shared memory for {name}: {exc}") from None
+        try:
+            os.ftruncate(fd, nbytes)
+            self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError, OverflowError) as exc:
+            os.close(fd)
+            raise InvalidInput(f"cannot map {nbytes / 2**30:,.2f} GiB of shared memory for {name}: {exc}") from None
+        self.fd = fd
+        self.nbytes = nbytes
+        weakref.finalize(self, os.close, fd)
+
+    def tensors(self, count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+        """``count`` contiguous tensors of ``shape`` and ``dtype``, back to back from offset 0.
+
+        Raises:
+            InvalidInput: They do not fit in the arena.
+        """
+        numel = math.prod(shape)
+        each = numel * dtype.itemsize
+        if count * each > self.nbytes:
+            raise InvalidInput(f"{count} tensors of {each} bytes do not fit in a {self.nbytes}-byte arena")
+        return [
+            torch.frombuffer(self._map, dtype=dtype, count=numel, offset=i * each).view(shape) for i in range(count)
+        ]
+
+    def __repr__(self) -> str:
+        return f"SharedArena(fd={self.fd}, nbytes={self.nbytes})"

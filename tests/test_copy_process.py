@@ -1,0 +1,192 @@
+"""The copy process: CPU tier copies run by a child on the pools' shared memory (akv.storage.copy_process).
+
+Real processes, real pipes, real signals: the child is killed with SIGKILL,
+the parent too (a child of the test), and what each side sees is checked.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from akv import KVCacheConfig, KVCacheManager, model_shape
+from akv.errors import ActorCrashed, InvalidInput, ManagerClosed
+from akv.storage import CopyExecutor, KVStorage, TierBatch
+from akv.storage.shared_memory import shared_memory_available
+from tests.test_host_storage_copy import apply_model, assert_same, make_storage, snapshot, tier_batches
+
+pytestmark = pytest.mark.skipif(not shared_memory_available(), reason="memfd shared memory is Linux-only")
+
+
+def shared_storage(**kw) -> KVStorage:
+    return make_storage(shared_memory=True, **kw)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie of a reaped-later child counts as gone
+        return f.read().split()[2] != "Z"
+
+
+@settings(max_examples=20, deadline=None)
+@given(batches=st.lists(tier_batches(), min_size=1, max_size=6))
+def test_the_process_copies_exactly_the_three_phases_in_order(batches: list[dict[str, list[int]]]) -> None:
+    storage = shared_storage(head_dim=5)  # odd rows: int32 words
+    dev, host = snapshot(storage)
+    executor = CopyExecutor(storage)
+    assert executor._process is not None
+    tickets = [executor.submit_tiers(**b) for b in batches]  # all written before anyone reads an answer
+    for b in batches:
+        apply_model(dev, host, **b)
+    executor.close()  # no worker thread ran: close reads the answers here
+    assert [t.done() and t.exception() is None for t in tickets] == [True] * len(batches)
+    assert executor.completed_seq_no == len(batches)
+    assert_same(storage, dev, host)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_the_worker_thread_settles_answers_while_batches_keep_coming(dtype: torch.dtype) -> None:
+    storage = shared_storage(dtype=dtype)
+    dev, host = snapshot(storage)
+    executor = CopyExecutor(storage)
+    executor.start()
+    for i in range(200):
+        b = {"d2h_src_ids": [i % 10], "d2h_dst_slots": [i % 8], "h2d_src_slots": [(i + 3) % 8], "h2d_dst_ids": [9]}
+        ticket = executor.submit_tiers(**b)
+        apply_model(dev, host, **b)
+    ticket.wait(timeout_s=30)
+    assert executor.completed_seq_no == 200
+    executor.close()
+    assert_same(storage, dev, host)
+
+
+def test_process_true_needs_shared_pools_and_false_keeps_the_thread() -> None:
+    with pytest.raises(InvalidInput, match="shared memory"):
+        CopyExecutor(make_storage(), process=True)
+    executor = CopyExecutor(shared_storage(), process=False)
+    assert executor._process is None
+    executor.close()
+
+
+def test_a_child_killed_with_sigkill_fails_pending_batches_and_breaks_the_executor() -> None:
+    storage = shared_storage()
+    executor = CopyExecutor(storage)
+    failures: list[ActorCrashed] = []
+    executor.on_failure = failures.append
+    done = executor.submit_tiers(d2h_src_ids=[1], d2h_dst_slots=[0])
+    executor.start()
+    done.wait(timeout_s=30)
+    os.kill(executor._process.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while executor._failure is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(ActorCrashed):
+        executor.submit_tiers(d2h_src_ids=[2], d2h_dst_slots=[1]).wait(timeout_s=10)
+    assert len(failures) == 1 and "exited" in str(failures[0].cause)
+    executor.close()
+
+
+def test_a_batch_the_child_cannot_copy_fails_with_its_message_and_later_ones_fail_too() -> None:
+    storage = shared_storage()
+    executor = CopyExecutor(storage)
+    failures: list[ActorCrashed] = []
+    executor.on_failure = failures.append
+    bad = torch.tensor([10_000])  # past the host pool: only a bypassed check can send it
+    empty = torch.empty(0, dtype=torch.int64)
+    ticket = executor._submit_batch(TierBatch(torch.tensor([1]), bad, empty, empty, empty, empty))
+    executor.start()
+    with pytest.raises(ActorCrashed, match="copy process failed batch 1: IndexError"):
+        ticket.wait(timeout_s=30)
+    assert len(failures) == 1
+    with pytest.raises(ActorCrashed):
+        executor.submit_tiers(d2h_src_ids=[2], d2h_dst_slots=[1])
+    executor.close()
+
+
+def test_close_without_drain_fails_the_unanswered_batches_with_manager_closed() -> None:
+    storage = shared_storage()
+    executor = CopyExecutor(storage)
+    tickets = [executor.submit_tiers(d2h_src_ids=[i % 10], d2h_dst_slots=[i % 8]) for i in range(50)]
+    executor.close(drain=False)
+    assert all(t.done() for t in tickets)
+    errors = {type(t.exception()) for t in tickets if t.exception() is not None}
+    assert errors <= {ManagerClosed}
+    with pytest.raises(ManagerClosed):
+        executor.submit_tiers(d2h_src_ids=[1], d2h_dst_slots=[0])
+
+
+def test_the_child_exits_when_its_parent_is_killed_with_sigkill(tmp_path) -> None:
+    script = textwrap.dedent(
+        """
+        import sys, time, torch
+        from akv.storage import CopyExecutor, KVStorage
+        storage = KVStorage(num_blocks=8, block_size=4, num_layers=1, num_kv_heads=1, head_dim=8,
+                            dtype=torch.float32, device="cpu", num_host_blocks=4, shared_memory=True)
+        executor = CopyExecutor(storage)
+        executor.submit_tiers(d2h_src_ids=[1], d2h_dst_slots=[0])
+        print(executor._process.pid, flush=True)
+        time.sleep(60)
+        """
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert alive(child)
+        parent.kill()
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(child), "the copy process outlived its parent"
+    finally:
+        parent.kill()
+        parent.wait(timeout=10)
+        parent.stdout.close()
+
+
+@pytest.mark.anyio
+async def test_a_manager_with_cpu_tensors_and_a_host_tier_copies_in_a_process() -> None:
+    config = KVCacheConfig(num_blocks=16, block_size=4, model=model_shape("tiny"), storage="tensors", host_blocks=64)
+    async with KVCacheManager(config) as kv:
+        process = kv._executor._process
+        assert process is not None and alive(process.pid)
+        pid = process.pid
+    deadline = time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(pid), "the copy process outlived its manager"
+
+
+def test_submit_blocks_only_the_caller_while_the_child_is_far_behind() -> None:
+    storage = shared_storage()
+    executor = CopyExecutor(storage)
+    executor.start()
+    ids = list(range(8))
+    stop = threading.Event()
+
+    def flood() -> None:
+        while not stop.is_set():
+            executor.submit_tiers(d2h_src_ids=ids, d2h_dst_slots=ids)
+
+    thread = threading.Thread(target=flood)
+    thread.start()
+    time.sleep(0.5)
+    stop.set()
+    thread.join(timeout=30)
+    last = executor.submit_tiers(d2h_src_ids=ids, d2h_dst_slots=ids)
+    last.wait(timeout_s=60)
+    assert executor.completed_seq_no == last.seq_no
+    executor.close()
