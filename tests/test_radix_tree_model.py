@@ -205,8 +205,10 @@ class RadixTreeMachine(RuleBasedStateMachine):
         """The blocks above a drawn set (shared prefixes, blocks inside runs) are each path's blocks above, once."""
         cached = sorted(self.model.parent)
         ids = data.draw(st.lists(st.sampled_from(cached), max_size=8), label="pinned") if cached else []
-        assert self.tree.ancestors(ids) == {a for b in ids for a in self.model.path(b)[1][:-1]}
-        order = self.tree.ancestry(ids)  # them and their ancestors, each before its parent
+        grouped = data.draw(st.booleans(), label="as an array: grouped by run with numpy")
+        arg = np.array(ids, dtype=np.int64) if grouped else ids
+        assert self.tree.ancestors(arg) == {a for b in ids for a in self.model.path(b)[1][:-1]}
+        order = self.tree.ancestry(arg)  # them and their ancestors, each before its parent
         assert sorted(order) == sorted({a for b in ids for a in self.model.path(b)[1]})
         place = {b: k for k, b in enumerate(order)}
         assert all(place[b] < place[self.model.parent[b]] for b in order if self.model.parent[b] in place)

@@ -20,6 +20,10 @@ import numpy as np
 from akv.core.location import Location, Medium
 
 
+#: From this many ids on, :meth:`RunQueries._leading` groups them by run with numpy.
+_GROUP_MIN = 64
+
+
 class Run:
     """A run of blocks: one node of the tree; a namespace's root when ``parent`` is None (then it holds no block).
 
@@ -274,7 +278,13 @@ class RunQueries:
         return out
 
     def _leading(self, block_ids: Iterable[int], inclusive: int) -> dict[Run, int]:
-        """Run -> how many of its leading blocks lie on the paths to ``block_ids`` (with them when ``inclusive``)."""
+        """Run -> how many of its leading blocks lie on the paths to ``block_ids`` (with them when ``inclusive``).
+
+        Many ids (the blocks pending copies pin: a promoted prompt's chain)
+        are grouped by run with numpy first, so Python walks distinct runs only.
+        """
+        if isinstance(block_ids, np.ndarray) or (isinstance(block_ids, list) and len(block_ids) > _GROUP_MIN):
+            return self._leading_grouped(np.asarray(block_ids, dtype=np.int64), inclusive)
         need: dict[Run, int] = {}  # a run's ancestors are taken whole once the run is in
         for b in block_ids:
             node, pos = self._place(None, b, create=False)
@@ -285,6 +295,29 @@ class RunQueries:
                 need[node] = pos + inclusive
             if known:
                 continue
+            node = node.parent
+            while node.parent is not None and need.get(node, 0) < len(node.blocks):
+                need[node] = len(node.blocks)
+                node = node.parent
+        return need
+
+    def _leading_grouped(self, ids: np.ndarray, inclusive: int) -> dict[Run, int]:
+        """:meth:`_leading` for an int64 array: the deepest position per run in one numpy pass, then runs upward."""
+        need: dict[Run, int] = {}
+        if not len(ids):
+            return need
+        node_of = self._node_of
+        bad = (ids < 0) | (ids >= len(node_of))
+        if bad.any() or (node_of[ids] < 0).any():
+            raise KeyError(int(ids[bad][0]) if bad.any() else int(ids[node_of[ids] < 0][0]))
+        nids, inverse = np.unique(node_of[ids], return_inverse=True)
+        deepest = np.zeros(len(nids), dtype=np.int64)
+        np.maximum.at(deepest, inverse, self._pos_of[ids].astype(np.int64) + inclusive)
+        nodes = self._nodes
+        for nid, k in zip(nids.tolist(), deepest.tolist(), strict=True):
+            node = nodes[nid]
+            if k > need.get(node, 0):
+                need[node] = k
             node = node.parent
             while node.parent is not None and need.get(node, 0) < len(node.blocks):
                 need[node] = len(node.blocks)
