@@ -19,7 +19,6 @@ import numpy as np
 
 from akv.core.location import Location, Medium
 
-
 #: From this many ids on, :meth:`RunQueries._leading` groups them by run with numpy.
 _GROUP_MIN = 64
 

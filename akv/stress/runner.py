@@ -41,10 +41,9 @@ from akv.errors import ActorCrashed
 from akv.manager import KVCacheManager
 from akv.stress.audit import audit, postmortem
 from akv.stress.event_check import EventCheck
-from akv.stress.fault import FaultInjector
+from akv.stress.fault import COPY_FAULTS, FaultInjector
 from akv.stress.kv_io import quiesce
 from akv.stress.metrics import Metrics
-from akv.stress.fault import COPY_FAULTS
 from akv.stress.options import StressOptions
 from akv.stress.probe import EXPECTED_ORDER, probe_eviction_order, probe_pending_hits, probe_pinned_child
 from akv.stress.report import FaultInjection, StressReport
