@@ -8,8 +8,11 @@ direction, id pattern and batch size ``m`` (``--batches``), timed round-robin
 within each rep so background load hits all methods alike:
 
 - ``akv``: ``CopyExecutor.submit_tiers(...)`` then ``ticket.wait()`` on a
-  started executor (validation, queue, worker thread, the one-pass row copies
-  of :mod:`akv.storage.row_copy`; on CUDA the copy stream and its fence);
+  started executor (validation, the one-pass row copies of
+  :mod:`akv.storage.row_copy`; on the CPU in the copy process, pools in shared
+  memory, as a manager runs them; on CUDA the copy stream and its fence);
+- ``akv (thread)``: the same on the executor's worker thread
+  (``process=False``; CPU only);
 - ``akv x4``: four such batches submitted back to back, then a wait on the
   last; time per batch: the executor's sustained throughput when batches
   queue up (an eviction pass, several admissions), its thread hand-offs
@@ -60,6 +63,7 @@ from pathlib import Path
 import torch
 
 from akv.storage import CopyExecutor, KVStorage
+from akv.storage.shared_memory import shared_memory_available
 from akv.storage.tier_copy import TierCopier, check_tier_batch
 
 GIB = 2**30
@@ -98,6 +102,7 @@ def make_storage(args: argparse.Namespace, device: str) -> KVStorage:
         dtype=torch.bfloat16,
         device=device,
         num_host_blocks=args.host_blocks,
+        shared_memory=device == "cpu" and shared_memory_available(),  # as KVStorage.from_config: the copy process
     )
     assert storage.host is not None
     for cache in storage.kv_caches + storage.host.kv_caches:
@@ -292,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     for device in devices:
         storage = make_storage(args, device)
         executors = {"akv": CopyExecutor(storage)}
+        if storage.arena is not None:  # "akv" is the copy process; the worker thread for reference
+            executors["akv (thread)"] = CopyExecutor(storage, process=False)
         if device == "cuda":
             executors["akv (DMA only)"] = CopyExecutor(storage, zero_copy=False)
             print(f"cuda: zero-copy alias of the host pool: {executors['akv'].zero_copy}")
