@@ -7,6 +7,7 @@ Two measurements, one command each (both write JSON; ``sweep`` also draws a plot
     # per-step cost with the tier on against off at the same device pool, alternating pairs
     python stress/bench_host_tier.py cost --pairs 3
     python stress/bench_host_tier.py cost --pairs 3 --storage cpu   # real CPU tensors (tiny model)
+    python stress/bench_host_tier.py cost --pairs 3 --storage cpu --with-thread  # + copies on a thread
 
 Every run is ``akv replay``'s scheduler (:func:`akv.replay.replay`) in this
 process, with ``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)`` (said in
@@ -48,14 +49,15 @@ HOST_SIZES = (0, 25_000, 50_000, 100_000, 200_000, 400_000)
 REFERENCE = 250_000
 
 
-def run_one(requests: list, num_blocks: int, host_blocks: int, storage: str) -> dict:
-    """One replay; its report as JSON plus the configuration."""
+def run_one(requests: list, num_blocks: int, host_blocks: int, storage: str, copy_process: bool = True) -> dict:
+    """One replay; its report as JSON plus the configuration (``copy_process``: see ``KVCacheConfig``)."""
     config = KVCacheConfig(
         num_blocks=num_blocks,
         block_size=16,
         model=model_shape("tiny"),
         storage="none" if storage == "none" else "tensors",
         host_blocks=host_blocks,
+        copy_process=copy_process,
     )
 
     async def go():
@@ -64,7 +66,13 @@ def run_one(requests: list, num_blocks: int, host_blocks: int, storage: str) -> 
 
     cpu0 = time.thread_time()
     report = anyio.run(go).as_json()
-    report.update(device_blocks=num_blocks, host_blocks=host_blocks, storage=storage, cpu_s=time.thread_time() - cpu0)
+    report.update(
+        device_blocks=num_blocks,
+        host_blocks=host_blocks,
+        storage=storage,
+        copy_process=copy_process,
+        cpu_s=time.thread_time() - cpu0,
+    )
     return report
 
 
@@ -134,34 +142,48 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def cost(requests: list, args: argparse.Namespace) -> dict:
-    """Tier off and tier on at the same device pool, alternating; per-step latency of every run."""
+    """Tier off and tier on at the same device pool, alternating; per-step latency of every run.
+
+    With ``--with-thread`` (CPU tensors) each round adds a tier-on run whose
+    copies run on the worker thread (``copy_process=False``): off, on, on (thread).
+    """
+    variants = [(0, True), (args.host_blocks, True)]
+    if args.with_thread:
+        variants.append((args.host_blocks, False))
     runs = []
     for pair in range(args.pairs):
-        for host in (0, args.host_blocks):
-            r = run_one(requests, args.device_blocks, host, args.storage)
+        for host, process in variants:
+            r = run_one(requests, args.device_blocks, host, args.storage, process)
             lat = r["step_latency_us"]
             runs.append(
                 {
                     "pair": pair,
                     "host_blocks": host,
+                    "copy_process": process,
                     "wall_s": r["wall_s"],
                     "cpu_s": r["cpu_s"],
                     **lat,
                     "hit_rate": r["hit_rate"],
                 }
             )
+            what = "" if host == 0 or args.storage == "none" else (" (process)" if process else " (thread) ")
             print(
-                f"pair {pair} host {host:>7,}: step mean {lat['mean']:.1f} p50 {lat['p50']:.1f} p99 {lat['p99']:.1f} us, "
-                f"wall {r['wall_s']:.2f} s, main-thread CPU {r['cpu_s']:.2f} s, hit rate {r['hit_rate']:.4%}, "
-                f"load {os.getloadavg()[0]:.2f}",
+                f"pair {pair} host {host:>7,}{what}: step mean {lat['mean']:.1f} p50 {lat['p50']:.1f} "
+                f"p99 {lat['p99']:.1f} us, wall {r['wall_s']:.2f} s, main-thread CPU {r['cpu_s']:.2f} s, "
+                f"hit rate {r['hit_rate']:.4%}, load {os.getloadavg()[0]:.2f}",
                 flush=True,
             )
-    ratios = {}
-    for key in ("mean", "p50", "p99", "wall_s", "cpu_s"):
-        per_pair = [runs[2 * p + 1][key] / runs[2 * p][key] for p in range(args.pairs) if runs[2 * p][key]]
-        ratios[key] = statistics.median(per_pair)
-    print("tier on / off, median of pairs: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
-    return {"runs": runs, "ratios": ratios}
+    n = len(variants)
+    out: dict = {"runs": runs}
+    for v, label in ((1, "ratios"), (2, "ratios_thread"))[: n - 1]:
+        ratios = {}
+        for key in ("mean", "p50", "p99", "wall_s", "cpu_s"):
+            per_pair = [runs[n * p + v][key] / runs[n * p][key] for p in range(args.pairs) if runs[n * p][key]]
+            ratios[key] = statistics.median(per_pair)
+        out[label] = ratios
+        name = "tier on / off" if v == 1 else "tier on, copies on a thread / off"
+        print(f"{name}, median of pairs: " + ", ".join(f"{k} {x:.2f}x" for k, x in ratios.items()))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device-blocks", type=int, default=DEVICE_BLOCKS, help="cost: device pool")
     parser.add_argument("--host-blocks", type=int, default=200_000, help="cost: host tier of the 'on' runs")
     parser.add_argument("--storage", choices=("none", "cpu"), default="none", help="cost: metadata or CPU tensors")
+    parser.add_argument(
+        "--with-thread", action="store_true", help="cost, cpu: also run the tier with copy_process=False each round"
+    )
     parser.add_argument("--json", type=Path, default=None, help="default: stress/results/bench_host_tier_<what>.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
