@@ -141,6 +141,7 @@ class KVCacheManager(SequenceCalls, ManagerQueries, ManagerEvents, ManagerSnapsh
                 )
             except MemoryError:
                 self._shards.clear()
+                self._executor.close(drain=False)  # nothing was queued; stops the copy process
                 raise InvalidInput(
                     f"cannot allocate the block metadata of {len(block_ids):,} blocks "
                     f"(states, refcounts and {cfg.block_size} token ids per block) on the host"
