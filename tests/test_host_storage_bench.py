@@ -31,7 +31,7 @@ def test_bench_tier_copy_runs_and_writes_every_row(tmp_path: Path) -> None:
     keys = {(r["direction"], r["pattern"], r["blocks_per_call"]) for r in rows}
     assert keys == {(d, p, m) for d in ("d2h", "h2d") for p in ("contiguous", "host-runs", "scattered") for m in (1, 4)}
     methods = {r["method"] for r in rows}
-    assert methods == {"torch copy", "akv", "akv x4", "akv copier", "index_copy"}
+    assert methods == {"torch copy", "akv", "akv x4", "akv (thread)", "akv (thread) x4", "akv copier", "index_copy"}
     for r in rows:
         assert r["bytes_per_call"] == r["blocks_per_call"] * 1 * 2 * 16 * 8 * 128 * 2
         assert r["gib_per_s"] > 0 and r["ratio"] > 0
