@@ -14,6 +14,7 @@ import textwrap
 import threading
 import time
 
+import anyio
 import pytest
 import torch
 from hypothesis import given, settings
@@ -190,3 +191,109 @@ def test_submit_blocks_only_the_caller_while_the_child_is_far_behind() -> None:
     last.wait(timeout_s=60)
     assert executor.completed_seq_no == last.seq_no
     executor.close()
+
+
+def open_fds() -> set[int]:
+    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+
+def test_stop_signals_to_the_group_leave_the_child_copying() -> None:
+    storage = shared_storage()
+    executor = CopyExecutor(storage)
+    executor.start()
+    executor.submit_tiers(d2h_src_ids=[5], d2h_dst_slots=[5]).wait(timeout_s=30)  # started: signals are ignored
+    pid = executor._process.pid
+    assert os.getsid(pid) == pid  # a session of its own: a group's Ctrl-C or SIGTERM goes to the parent only
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        os.kill(pid, signum)  # even sent to it directly, ignored
+    dev, host = snapshot(storage)
+    b = {"d2h_src_ids": [1, 2], "d2h_dst_slots": [3, 4]}
+    executor.submit_tiers(**b).wait(timeout_s=30)
+    apply_model(dev, host, **b)
+    assert alive(pid)
+    executor.close()
+    assert_same(storage, dev, host)
+
+
+def test_a_child_stopped_after_close_is_killed_once_the_stall_timeout_passes() -> None:
+    executor = CopyExecutor(shared_storage(), stall_timeout_s=0.5)
+    failures: list[ActorCrashed] = []
+    executor.on_failure = failures.append
+    executor.start()
+    executor.submit_tiers(d2h_src_ids=[1], d2h_dst_slots=[0]).wait(timeout_s=30)  # the child is ready
+    pid = executor._process.pid
+    os.kill(pid, signal.SIGSTOP)
+    ticket = executor.submit_tiers(d2h_src_ids=[2], d2h_dst_slots=[1])
+    started = time.monotonic()
+    executor.close(timeout_s=30)
+    assert time.monotonic() - started < 10
+    with pytest.raises(ActorCrashed, match=r"gave no answer for 0\.5 s after close"):
+        ticket.wait(timeout_s=1)
+    assert len(failures) == 1 and not alive(pid)
+
+
+def test_a_drained_close_gives_back_the_pipes_and_reaps_the_child() -> None:
+    storage = shared_storage()
+    before = open_fds()
+    executor = CopyExecutor(storage)
+    executor.start()
+    executor.submit_tiers(d2h_src_ids=[1], d2h_dst_slots=[0]).wait(timeout_s=30)
+    pid = executor._process.pid
+    assert len(open_fds() - before) == 2  # one end of each pipe
+    executor.close(timeout_s=30)
+    assert open_fds() == before  # at close, not at garbage collection
+    assert not alive(pid)
+    assert executor._process.wait(timeout_s=0) == 0
+
+
+def test_a_child_that_cannot_start_breaks_the_executor_with_a_typed_error_saying_so(monkeypatch) -> None:
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # an executable that is no python: exits with status 1
+    executor = CopyExecutor(shared_storage())
+    failures: list[ActorCrashed] = []
+    executor.on_failure = failures.append
+    executor.start()
+    with pytest.raises(ActorCrashed):
+        executor.submit_tiers(d2h_src_ids=[1], d2h_dst_slots=[0]).wait(timeout_s=30)
+    deadline = time.monotonic() + 10
+    while not failures and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "before it was ready" in str(failures[0].cause)
+    executor.close()
+
+
+@pytest.mark.parametrize("executable", ["/nonexistent/python", ""])
+def test_without_a_python_executable_the_copies_fall_back_to_the_thread(monkeypatch, executable: str) -> None:
+    monkeypatch.setattr(sys, "executable", executable)
+    storage = shared_storage()
+    with pytest.raises(InvalidInput, match="python executable"):
+        CopyExecutor(storage, process=True)
+    executor = CopyExecutor(storage)
+    assert executor._process is None and "not a python interpreter" in executor.process_unavailable
+    dev, host = snapshot(storage)
+    b = {"d2h_src_ids": [1], "d2h_dst_slots": [2], "h2d_src_slots": [3], "h2d_dst_ids": [4]}
+    executor.start()
+    executor.submit_tiers(**b).wait(timeout_s=30)
+    apply_model(dev, host, **b)
+    executor.close()
+    assert_same(storage, dev, host)
+
+
+@pytest.mark.anyio
+async def test_a_left_manager_dropped_by_its_caller_frees_its_pools_without_the_cycle_collector() -> None:
+    import gc
+    import weakref
+
+    config = KVCacheConfig(num_blocks=16, block_size=4, model=model_shape("tiny"), storage="tensors", host_blocks=64)
+    gc.disable()
+    try:
+        kv = KVCacheManager(config)
+        async with kv:
+            pass
+        storage = weakref.ref(kv.storage)
+        del kv
+        deadline = time.monotonic() + 5
+        while storage() is not None and time.monotonic() < deadline:
+            await anyio.sleep(0.01)  # anyio's worker thread lets go of the stream worker's function
+        assert storage() is None, "the pools outlive their manager until the cycle collector runs"
+    finally:
+        gc.enable()

@@ -13,14 +13,17 @@ layout names):
   phase: ``d2h_src_ids, d2h_dst_slots, d2d_src_ids, d2d_dst_ids,
   h2d_src_slots, h2d_dst_ids`` (:class:`~akv.storage.tier_copy.TierBatch`,
   already validated by the parent);
-- response, once the batch's copies are done: ``seq_no, n`` then ``n``
-  bytes, an error message (``n == 0``: the batch succeeded). After an error
-  the process exits (later batches would copy from unordered data).
+- response: first ``0, 0`` once the pools are mapped (the process is
+  ready); then for each batch, once its copies are done, ``seq_no, n`` and
+  ``n`` bytes, an error message (``n == 0``: the batch succeeded). After an
+  error the process exits (later batches would copy from unordered data).
 
 End of file on the request pipe (the parent closed it, or exited, or was
-killed) ends the process after the batches already read. ``SIGINT`` is
-ignored: Ctrl-C in a terminal reaches the whole process group, and the
-parent decides when its copies stop.
+killed) ends the process after the batches already read: that is the only
+way it ends, short of ``SIGKILL``. ``SIGINT``, ``SIGTERM`` and ``SIGHUP``
+are ignored: a terminal's Ctrl-C, a supervisor's stop (systemd signals every
+process of the service) or a hang-up reach the whole group, and the parent,
+shutting down gracefully, still needs its copies to finish.
 """
 
 from __future__ import annotations
@@ -99,6 +102,7 @@ def serve(layout: dict[str, Any]) -> int:
     device, host = _pool_rows(layout["device"]), _pool_rows(layout["host"])
     row_bytes = layout["device"]["row_bytes"]
     requests, responses = layout["request_fd"], layout["response_fd"]
+    _write_all(responses, _RESPONSE.pack(0, 0))  # ready
 
     def phase(dst: list[np.ndarray], src: list[np.ndarray], dst_ids: np.ndarray, src_ids: np.ndarray) -> None:
         if len(dst_ids):
@@ -130,8 +134,12 @@ def serve(layout: dict[str, Any]) -> int:
 
 def main(argv: list[str]) -> int:
     """Entry point: ``argv[0]`` is the layout JSON (pools: fd, nbytes, layers, rows, row_bytes; the two pipe fds)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    return serve(json.loads(argv[0]))
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    try:
+        return serve(json.loads(argv[0]))
+    except BrokenPipeError:  # the parent stopped reading (closed without draining, or exited): nothing to tell
+        return 0
 
 
 if __name__ == "__main__":

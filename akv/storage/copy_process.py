@@ -20,9 +20,15 @@ to a pool (the model runner's K/V) happen before it writes the request, and
 the child's copies before it writes the response; a pipe write and read
 order memory between the two processes (they are system calls).
 
-The child ends when the request pipe closes: :meth:`CopyProcess.close_input`
-(the executor drains), the parent's exit, or a ``kill -9`` of the parent; a
-killed child shows as end of file on the response pipe.
+The child's first answer says it is ready (``seq_no`` 0), so a child that
+cannot start (its interpreter lacks numpy, say) is told apart from one that
+died later. It runs in a session of its own and ignores the stop signals
+(:mod:`akv.storage.copy_child`): a signal sent to the parent's process group
+or service (Ctrl-C, a supervisor's ``SIGTERM``) reaches the parent, which
+shuts down gracefully and still needs its copies. The child ends when the
+request pipe closes: :meth:`CopyProcess.close_input` (the executor drains),
+the parent's exit, or a ``kill -9`` of the parent; a killed child shows as
+end of file on the response pipe.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import contextlib
 import fcntl
 import json
 import os
+import select
 import struct
 import subprocess
 import sys
@@ -45,9 +52,15 @@ from akv.storage.tier_copy import TierBatch
 _HEADER = struct.Struct("=4q")  # seq_no, a, b, c (as copy_child)
 _RESPONSE = struct.Struct("=2q")  # seq_no, message bytes
 _CHILD = Path(__file__).with_name("copy_child.py")
-#: ``python -c`` program: drop the working directory from ``sys.path`` (so a
-#: file there cannot shadow numpy), then run the child file as ``__main__``.
-_BOOT = "import sys, runpy; sys.path.pop(0); sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+#: ``python -c`` program: ignore the stop signals from the first instruction
+#: (see :mod:`~akv.storage.copy_child`), drop the working directory from
+#: ``sys.path`` (so a file there cannot shadow numpy), then run the child file
+#: as ``__main__``.
+_BOOT = (
+    "import signal, sys, runpy\n"
+    "for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP): signal.signal(s, signal.SIG_IGN)\n"
+    "sys.path.pop(0); sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
 #: Request pipe capacity asked for (Linux ``F_SETPIPE_SZ``; capped by
 #: ``/proc/sys/fs/pipe-max-size``, 1 MiB by default): a submit blocks only
 #: when the child is this far behind.
@@ -76,13 +89,29 @@ def _layout(storage: KVStorage) -> dict:
     }
 
 
-def _stop(proc: subprocess.Popen, request_fd: list[int]) -> None:
-    """Finalizer: close the request pipe (the child exits after its batches) and reap the child."""
-    if request_fd:
+def process_supported() -> bool:
+    """Whether a copy process can be started here: ``sys.executable`` is a Python interpreter file.
+
+    False in a frozen application (PyInstaller and the like set
+    ``sys.frozen``; its executable would start the application, not Python)
+    and in an embedded interpreter with no executable.
+    """
+    exe = sys.executable
+    return not getattr(sys, "frozen", False) and bool(exe) and os.access(exe, os.X_OK)
+
+
+def _close_all(fds: list[int]) -> None:
+    while fds:
         with contextlib.suppress(OSError):
-            os.close(request_fd.pop())
+            os.close(fds.pop())
+
+
+def _stop(proc: subprocess.Popen, request_fd: list[int], response_fd: list[int]) -> None:
+    """Finalizer: close the request pipe (the child exits after its batches), reap the child, close the rest."""
+    _close_all(request_fd)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=5)
+    _close_all(response_fd)
 
 
 class CopyProcess:
@@ -94,7 +123,7 @@ class CopyProcess:
 
     Raises:
         OSError: The child could not be started (no ``python`` executable,
-            too many open files).
+            too many open files); nothing is left open.
     """
 
     def __init__(self, storage: KVStorage) -> None:
@@ -111,6 +140,7 @@ class CopyProcess:
                 pass_fds=fds,
                 stdin=subprocess.DEVNULL,
                 close_fds=True,
+                start_new_session=True,
             )
         except BaseException:
             for fd in (req_r, req_w, resp_r, resp_w):
@@ -118,11 +148,12 @@ class CopyProcess:
             raise
         os.close(req_r)  # the child's ends
         os.close(resp_w)
-        self._request = [req_w]  # a list so that the finalizer and close_input share it
-        self._response = resp_r
+        self._request = [req_w]  # lists, so that the finalizer and close() share them
+        self._response = [resp_r]
         self._pending = b""
-        self._finalizer = weakref.finalize(self, _stop, self._proc, self._request)
-        weakref.finalize(self, os.close, resp_r)
+        #: Whether the child has said it is ready (its pools are mapped).
+        self.ready = False
+        self._finalizer = weakref.finalize(self, _stop, self._proc, self._request, self._response)
 
     @property
     def pid(self) -> int:
@@ -133,7 +164,8 @@ class CopyProcess:
         """Write one batch to the child (blocks only while the pipe is full: the child is far behind).
 
         Raises:
-            BrokenPipeError: The child has exited (killed, or failed a batch).
+            BrokenPipeError: The child has exited (killed, failed a batch, or
+                could not start); the message says which it looks like.
             OSError: The request pipe is closed (:meth:`close_input`).
         """
         ids = (
@@ -150,18 +182,36 @@ class CopyProcess:
             raise OSError("the copy process's request pipe is closed")
         view = memoryview(header + body)
         fd = self._request[0]
-        while view:
-            view = view[os.write(fd, view) :]
+        try:
+            while view:
+                view = view[os.write(fd, view) :]
+        except BrokenPipeError:
+            raise BrokenPipeError(f"the copy process has exited: {self.describe_exit()}") from None
 
-    def completions(self) -> list[tuple[int, str | None]] | None:
-        """Block until the child answers; every answer read, ``(seq_no, error message or None)``, in order.
+    def describe_exit(self) -> str:
+        """How the child ended, in words (its status, and whether it had started), for error messages."""
+        status = self.wait(timeout_s=1.0)
+        started = "" if self.ready else " before it was ready (it could not start: see its stderr)"
+        return f"exit status {status}{started}"
 
-        Returns ``None`` at end of file: the child has exited and every
-        answer it wrote has been returned.
+    def completions(self, timeout_s: float | None = None) -> list[tuple[int, str | None]] | None:
+        """Wait for the child's answers; every answer read, ``(seq_no, error message or None)``, in order.
+
+        Args:
+            timeout_s: Seconds to wait for one; ``None``: as long as it takes.
+
+        Returns:
+            The answers; ``[]`` when ``timeout_s`` passed with none; ``None``
+            at end of file (the child has exited and every answer it wrote
+            has been returned) or once :meth:`close` was called.
         """
         out: list[tuple[int, str | None]] = []
         while not out:
-            data = os.read(self._response, 1 << 16)
+            if not self._response:
+                return None
+            if timeout_s is not None and not select.select(self._response, [], [], timeout_s)[0]:
+                return out
+            data = os.read(self._response[0], 1 << 16)
             if not data:
                 return None
             buf = self._pending + data
@@ -171,16 +221,21 @@ class CopyProcess:
                 if len(buf) - pos - _RESPONSE.size < n:
                     break
                 start = pos + _RESPONSE.size
-                out.append((seq_no, buf[start : start + n].decode(errors="replace") if n else None))
+                if seq_no == 0 and not self.ready:
+                    self.ready = True
+                else:
+                    out.append((seq_no, buf[start : start + n].decode(errors="replace") if n else None))
                 pos = start + n
             self._pending = buf[pos:]
         return out
 
     def close_input(self) -> None:
         """Close the request pipe: the child exits after the batches already written. Idempotent."""
-        if self._request:
-            with contextlib.suppress(OSError):
-                os.close(self._request.pop())
+        _close_all(self._request)
+
+    def close(self) -> None:
+        """Close both pipes and reap the child (waiting up to 5 s). Idempotent; for after the last answer."""
+        self._finalizer()
 
     def kill(self) -> None:
         """Stop the child now (``SIGKILL``); its pending batches are not run."""

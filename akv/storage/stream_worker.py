@@ -37,17 +37,18 @@ numpy and torch ops, the phases of a batch in order. With
 from __future__ import annotations
 
 import queue
+import sys
 import threading
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from akv.errors import ActorCrashed, InvalidInput, ManagerClosed
-from akv.storage.copy_process import CopyProcess
+from akv.storage.copy_process import CopyProcess, process_supported
 from akv.storage.copy_ticket import CopyTicket
 from akv.storage.kv_pool import KVStorage
+from akv.storage.process_lane import ProcessLane
 from akv.storage.tensor_args import IndexLike
 from akv.storage.tier_copy import TierBatch, TierCopier, check_tier_batch, own_tier_batch, tier_batch_sizes
 from akv.storage.tier_cuda import CudaTierCopier
@@ -87,20 +88,35 @@ class CopyExecutor:
             :mod:`akv.storage.tier_cuda`); ``False``: DMA only. Ignored on CPU.
         process: On CPU, run the copies in a child process
             (:mod:`akv.storage.copy_process`); ``None`` (default): when the
-            pools are in shared memory with a host tier; ``False``: on the
-            worker thread.
+            pools are in shared memory with a host tier and the child can be
+            started (else on the worker thread, and :attr:`process_unavailable`
+            says why); ``False``: on the worker thread.
+        stall_timeout_s: After :meth:`close`, seconds the copy process may go
+            without answering before it is killed (a stopped or wedged child
+            must not hold the manager's exit forever); its unanswered
+            batches then fail with :class:`~akv.errors.ActorCrashed`.
 
     Raises:
         InvalidInput: ``process=True`` without CPU pools in shared memory
-            with a host tier.
-        OSError: The copy process could not be started.
+            with a host tier, or in a frozen or embedded interpreter.
+        OSError: ``process=True`` and the copy process could not be started.
 
     Attributes:
         completed_seq_no: ``seq_no`` of the last batch that finished or failed
             (0 before any); monotone, readable from any thread.
+        process_unavailable: Why ``process=None`` fell back to the worker
+            thread with shared pools (a frozen interpreter, an ``OSError``
+            starting the child), else ``None``.
     """
 
-    def __init__(self, storage: KVStorage | None, *, zero_copy: bool = True, process: bool | None = None) -> None:
+    def __init__(
+        self,
+        storage: KVStorage | None,
+        *,
+        zero_copy: bool = True,
+        process: bool | None = None,
+        stall_timeout_s: float = 60.0,
+    ) -> None:
         self.storage = storage
         self.completed_seq_no = 0
         self._queue: queue.SimpleQueue[_Job | object] = queue.SimpleQueue()
@@ -118,11 +134,13 @@ class CopyExecutor:
             and storage.host is not None
             and storage.host.arena is not None
         )
-        if process and not shared:
-            raise InvalidInput("process=True needs CPU pools in shared memory with a host tier")
+        if process and not (shared and process_supported()):
+            raise InvalidInput("process=True needs CPU pools in shared memory with a host tier and a python executable")
+        self.process_unavailable: str | None = None
+        child = self._start_process(storage, process) if shared else None
         #: The child running the CPU copies, or ``None`` (worker thread, CUDA, metadata).
-        self._process = CopyProcess(storage) if shared and process is not False and storage is not None else None
-        self._inflight: deque[CopyTicket] = deque()  # batches written to the process, not yet answered
+        self._process = child
+        self._lane = ProcessLane(child, stall_timeout_s) if child is not None else None
         self._cpu_copier = (
             TierCopier(storage) if storage is not None and not self._cuda and self._process is None else None
         )
@@ -131,6 +149,20 @@ class CopyExecutor:
         #: batch (a device error), once per failed batch; the manager fails itself.
         self.on_failure: Callable[[ActorCrashed], object] | None = None
         self._stream = torch.cuda.Stream(storage.device) if self._cuda else None
+
+    def _start_process(self, storage: KVStorage | None, process: bool | None) -> CopyProcess | None:
+        if process is False or storage is None:
+            return None
+        if not process_supported():
+            self.process_unavailable = f"sys.executable {sys.executable!r} is not a python interpreter file"
+            return None
+        try:
+            return CopyProcess(storage)
+        except OSError as err:
+            if process:
+                raise
+            self.process_unavailable = f"cannot start the copy process: {err!r}"
+            return None
 
     @property
     def closed(self) -> bool:
@@ -306,7 +338,7 @@ class CopyExecutor:
                     self._failure = err
                     raise ActorCrashed(_ACTOR, err) from err
                 job = _Job(CopyTicket(seq_no=seq_no, nbytes=nbytes, fence=fence, **counts), None, keepalive)
-            elif self._process is not None:
+            elif self._lane is not None:
                 return self._send_locked(CopyTicket(seq_no=seq_no, nbytes=nbytes, fence=None, **counts), batch)
             else:
                 job = _Job(CopyTicket(seq_no=seq_no, nbytes=nbytes, fence=None, **counts), batch)
@@ -316,12 +348,10 @@ class CopyExecutor:
 
     def _send_locked(self, ticket: CopyTicket, batch: TierBatch) -> CopyTicket:
         """Write a numbered batch to the copy process (the lock held: requests go out in ``seq_no`` order)."""
-        assert self._process is not None, "no copy process"
-        self._inflight.append(ticket)
+        assert self._lane is not None, "no copy process"
         try:
-            self._process.send(ticket.seq_no, batch)
+            self._lane.send(ticket, batch)
         except OSError as err:  # the child has exited: the worker thread breaks the executor at end of file
-            self._inflight.pop()
             raise ActorCrashed(_ACTOR, self._failure or err) from err
         self._next_seq_no += 1
         return ticket
@@ -364,11 +394,8 @@ class CopyExecutor:
             self._abort = self._abort or not drain
             run_here = not self._claimed
             self._claimed = True
-            if self._process is not None:
-                if drain:
-                    self._process.close_input()  # the child exits after the batches written
-                else:
-                    self._process.kill()
+            if self._lane is not None:
+                self._lane.close(drain)  # drain: the child exits after the batches written
         if run_here:
             self._loop()
         thread = self._thread
@@ -376,8 +403,8 @@ class CopyExecutor:
             thread.join(timeout_s)
 
     def _loop(self) -> None:
-        if self._process is not None:
-            self._answers_loop(self._process)
+        if self._lane is not None:
+            self._answers_loop(self._lane)
             return
         while True:
             job = self._queue.get()
@@ -403,26 +430,14 @@ class CopyExecutor:
         self.completed_seq_no = job.ticket.seq_no
         job.ticket._finish(exc)
 
-    def _answers_loop(self, process: CopyProcess) -> None:
+    def _answers_loop(self, lane: ProcessLane) -> None:
         """Settle the tickets the copy process answers, in order, until it exits; then fail the unanswered."""
-        while (answers := process.completions()) is not None:
-            for seq_no, message in answers:
-                ticket = self._inflight.popleft()
-                assert ticket.seq_no == seq_no, f"copy process answered {seq_no}, expected {ticket.seq_no}"
-                exc = None
-                if message is not None:
-                    exc = self._crash(RuntimeError(f"copy process failed batch {seq_no}: {message}"))
-                self.completed_seq_no = seq_no
-                ticket._finish(exc)
-        status = process.wait()
+        unanswered, ended = lane.serve(self._settle_answer)
         with self._lock:
-            aborted, failure = self._abort, self._failure
-        if failure is None and (self._inflight or not self._closed):  # killed, or died: no copy runs from here on
-            failure = RuntimeError(f"copy process exited (status {status}), {len(self._inflight)} batches unanswered")
+            aborted, failure = self._abort, self._failure or ended
         if failure is not None and not aborted:
             self._crash(failure)
-        while self._inflight:
-            ticket = self._inflight.popleft()
+        for ticket in unanswered:
             if aborted:
                 exc: BaseException = ManagerClosed(f"copy executor closed before batch {ticket.seq_no} ran")
             else:
@@ -430,6 +445,13 @@ class CopyExecutor:
                 exc.__cause__ = failure
             self.completed_seq_no = ticket.seq_no
             ticket._finish(exc)
+
+    def _settle_answer(self, ticket: CopyTicket, message: str | None) -> None:
+        exc = None
+        if message is not None:
+            exc = self._crash(RuntimeError(f"copy process failed batch {ticket.seq_no}: {message}"))
+        self.completed_seq_no = ticket.seq_no
+        ticket._finish(exc)
 
     def _crash(self, err: BaseException) -> ActorCrashed:
         """Break the executor with ``err`` (once) and tell :attr:`on_failure`; the error for the batch."""

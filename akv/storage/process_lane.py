@@ -1,0 +1,107 @@
+"""The copy executor's side of a copy process: the batches written and not yet answered, and their reader.
+
+:class:`~akv.storage.stream_worker.CopyExecutor` numbers a batch and hands
+it to :meth:`ProcessLane.send` under its lock, so requests reach the child in
+``seq_no`` order; its worker thread runs :meth:`ProcessLane.serve`, which
+reads the child's answers (:meth:`CopyProcess.completions`), settles each
+ticket in order, and returns once the child has exited, with the tickets it
+never answered and why it ended.
+
+A child that stops answering after :meth:`ProcessLane.close` (stopped with
+``SIGSTOP``, wedged in the kernel) is killed once ``stall_timeout_s`` passes
+without an answer: a manager's exit waits for its copies, but not forever.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+from akv.storage.copy_process import CopyProcess
+from akv.storage.copy_ticket import CopyTicket
+from akv.storage.tier_copy import TierBatch
+
+#: Seconds the reader waits for answers before it looks at the clock (the stall check).
+POLL_S = 0.5
+
+
+class ProcessLane:
+    """Batches in flight in one :class:`CopyProcess`, answered in submission order.
+
+    Args:
+        process: The started child.
+        stall_timeout_s: After :meth:`close`, seconds without an answer
+            before the child is killed (its unanswered batches then fail).
+    """
+
+    def __init__(self, process: CopyProcess, stall_timeout_s: float) -> None:
+        self.process = process
+        self.stall_timeout_s = stall_timeout_s
+        self._closed_at = 0.0  # monotonic seconds of the first close()
+        self._inflight: deque[CopyTicket] = deque()
+
+    def send(self, ticket: CopyTicket, batch: TierBatch) -> None:
+        """Write a numbered batch to the child (the caller holds the lock that orders ``seq_no``).
+
+        Raises:
+            OSError: The child has exited or the request pipe is closed;
+                nothing is in flight for this ticket.
+        """
+        self._inflight.append(ticket)
+        try:
+            self.process.send(ticket.seq_no, batch)
+        except OSError:
+            self._inflight.pop()
+            raise
+
+    def close(self, drain: bool) -> None:
+        """Stop writing: the child exits after the batches written (``drain``) or is killed now. Idempotent."""
+        self._closed_at = self._closed_at or time.monotonic()
+        if drain:
+            self.process.close_input()
+        else:
+            self.process.kill()
+
+    def serve(self, settle: Callable[[CopyTicket, str | None], None]) -> tuple[list[CopyTicket], RuntimeError | None]:
+        """Settle the child's answers until it exits, then close its pipes.
+
+        Args:
+            settle: Called for each answered ticket, in ``seq_no`` order, with
+                the child's error message for it (``None``: copied).
+
+        Returns:
+            The tickets never answered, in order, and why the child ended:
+            ``None`` if it ended as asked (closed, nothing in flight), else
+            the error (killed, crashed, failed to start, or stalled after
+            :meth:`close` and killed here).
+        """
+        process = self.process
+        last_answer, stalled = time.monotonic(), False
+        while (answers := process.completions(timeout_s=POLL_S)) is not None:
+            now = time.monotonic()
+            if answers:
+                last_answer = now
+            elif self._closed_at and not stalled and now - max(last_answer, self._closed_at) > self.stall_timeout_s:
+                stalled = True  # stopped or wedged after close: do not hold the exit forever
+                process.kill()
+            for seq_no, message in answers:
+                ticket = self._inflight.popleft()
+                assert ticket.seq_no == seq_no, f"copy process answered {seq_no}, expected {ticket.seq_no}"
+                settle(ticket, message)
+        exit_text = process.describe_exit()
+        process.close()
+        unanswered = list(self._inflight)
+        self._inflight.clear()
+        error = None
+        if stalled:
+            error = RuntimeError(
+                f"copy process gave no answer for {self.stall_timeout_s} s after close and was killed, "
+                f"{len(unanswered)} batches unanswered"
+            )
+        elif unanswered or not self._closed_at:  # killed, or died: no copy runs from here on
+            error = RuntimeError(f"copy process exited ({exit_text}), {len(unanswered)} batches unanswered")
+        return unanswered, error
+
+    def __repr__(self) -> str:
+        return f"ProcessLane({self.process!r}, in_flight={len(self._inflight)})"
