@@ -65,6 +65,10 @@ __all__ = ["Admit", "KVCacheManager"]
 _BACKGROUND = ("eviction_loop", "stream_worker")
 
 
+def _no_wake() -> None:
+    """A stopped manager's shards wake no eviction loop (nor keep it, and their pools, alive in a cycle)."""
+
+
 class KVCacheManager(SequenceCalls, ManagerQueries, ManagerEvents, ManagerSnapshots, SequenceMoves, TierCalls):
     """Paged KV cache manager run by asyncio actors (anyio).
 
@@ -118,6 +122,8 @@ class KVCacheManager(SequenceCalls, ManagerQueries, ManagerEvents, ManagerSnapsh
         self.storage = KVStorage.from_config(cfg)
         self._executor = CopyExecutor(self.storage)
         self._executor.on_failure = self._on_copy_failure
+        if self._executor.process_unavailable is not None:
+            self.log.warning("copy_process.unavailable", reason=self._executor.process_unavailable, fallback="thread")
         self._eviction = EvictionLoop(
             self._shards,
             batch_blocks=cfg.eviction_batch_blocks,
@@ -242,6 +248,11 @@ class KVCacheManager(SequenceCalls, ManagerQueries, ManagerEvents, ManagerSnapsh
             for name in _BACKGROUND:
                 await self._stopped[name].wait()
         self._tasks_ended = True
+        self._executor.on_failure = None  # break the cycles through the manager: refcounting frees its pools
+        for actor in self._actors:
+            actor.on_crash = None
+        for shard in self._shards:
+            shard.wake_eviction = _no_wake
         failed = self._failure is not None
         self._phase = "failed" if failed else "closed"
         self.log.info("manager.stopped", failed=failed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 import threading
@@ -235,6 +236,19 @@ async def test_two_managers_do_not_collide(tiny_config) -> None:
         assert value(a, "akv_blocks_allocated_total") == 3
         assert value(b, "akv_blocks_allocated_total") == 0
         assert value(b, "akv_blocks", state="free") == 32
+
+
+@pytest.mark.anyio
+async def test_a_registry_kept_after_its_manager_is_freed_reports_no_pool(tiny_config) -> None:
+    kv = KVCacheManager(tiny_config())
+    async with kv:
+        await kv.add_sequence("x", list(range(1, 10)))
+        registry = kv.metrics_registry
+        assert value(scrape(registry), "akv_blocks", state="active") == 3
+    del kv  # the registry holds the manager weakly: it does not keep the pools alive
+    gc.collect()
+    names = {name for name, _ in scrape(registry)}  # scraping still works
+    assert "akv_blocks" not in names and "akv_blocks_allocated_total" not in names
 
 
 # ---------------------------------------------------------------------- CLI

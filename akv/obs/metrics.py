@@ -19,6 +19,8 @@ docs/metrics.md lists them.
 
 from __future__ import annotations
 
+import inspect
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -98,10 +100,14 @@ class _SnapshotCollector(Collector):
     """Turns a :class:`MetricsSnapshot` read at scrape time into metric families."""
 
     def __init__(self, read: Callable[[], MetricsSnapshot]) -> None:
-        self._read = read
+        # A bound method is held weakly: the manager owns this collector's registry.
+        self._read = weakref.WeakMethod(read) if inspect.ismethod(read) else lambda: read
 
     def collect(self) -> Iterator:
-        snap = self._read()
+        read = self._read()
+        if read is None:  # the manager is gone: a registry kept alive by a caller reports nothing
+            return
+        snap = read()
         for name, (key, text) in COUNTERS.items():
             yield CounterMetricFamily(name, text, value=snap.counters.get(key, 0))
         blocks = GaugeMetricFamily("akv_blocks", "Blocks per state.", labels=["state"])
