@@ -94,6 +94,11 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--host-gib", type=float_range(0.0, None, min_open=True), help="host tier size in GiB instead of --host-blocks"
     )
     rp.add_argument(
+        "--copy-thread",
+        action="store_true",
+        help="with CPU tensors, run the host tier's copies on a worker thread, not in a child process",
+    )
+    rp.add_argument(
         "--model",
         default="tiny",
         choices=sorted(MODEL_SHAPES),
@@ -205,6 +210,7 @@ def _replay_config(args: argparse.Namespace) -> KVCacheConfig:
         num_shards=args.shards,
         enable_events=args.events_out is not None,
         host_blocks=host_blocks,
+        copy_process=not args.copy_thread,
     )
 
 

@@ -462,3 +462,20 @@ def test_two_outputs_naming_one_file_exit_2(options, tmp_path: Path, restore_log
     assert "name the same file" in captured.err
     _no_traceback(captured)
     assert not list(tmp_path.iterdir())  # refused before anything was written
+
+
+@pytest.mark.parametrize("copy_thread", [True, False])
+def test_copy_thread_keeps_the_tier_copies_out_of_a_child_process(
+    copy_thread: bool, monkeypatch, restore_logging
+) -> None:
+    started: list[object] = []
+
+    class NoChild:
+        def __init__(self, storage: object) -> None:
+            started.append(storage)
+            raise OSError("no copy process in this test")  # the executor falls back to its thread
+
+    monkeypatch.setattr("akv.storage.stream_worker.CopyProcess", NoChild)
+    argv = ["replay", "--limit", "20", "--num-blocks", "256", "--host-blocks", "512", "--no-progress"]
+    assert main([*argv, "--copy-thread"] if copy_thread else argv) == 0
+    assert len(started) == (0 if copy_thread else 1)
