@@ -96,7 +96,7 @@ def test_a_child_killed_with_sigkill_fails_pending_batches_and_breaks_the_execut
         time.sleep(0.01)
     with pytest.raises(ActorCrashed):
         executor.submit_tiers(d2h_src_ids=[2], d2h_dst_slots=[1]).wait(timeout_s=10)
-    assert len(failures) == 1 and "exited" in str(failures[0].cause)
+    assert len(failures) == 1 and "killed by signal 9" in str(failures[0].cause)
     executor.close()
 
 
@@ -297,3 +297,75 @@ async def test_a_left_manager_dropped_by_its_caller_frees_its_pools_without_the_
         assert storage() is None, "the pools outlive their manager until the cycle collector runs"
     finally:
         gc.enable()
+
+
+def write_program(path, text: str) -> str:
+    path.write_text(text)
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("program", "reason"),
+    [
+        ("#!/bin/sh\nexit 0\n", "exited (status 0) before it was ready"),  # a program, but no python
+        ("#!/bin/sh\nexec sleep 60\n", "not ready after 1 s"),  # starts, never answers
+    ],
+)
+def test_a_child_that_never_gets_ready_is_killed_and_the_thread_copies(tmp_path, monkeypatch, program, reason) -> None:
+    monkeypatch.setattr(sys, "executable", write_program(tmp_path / "python", program))
+    storage = shared_storage()
+    executor = CopyExecutor(storage)
+    pid = executor._process.pid
+    started = time.monotonic()
+    assert executor.wait_process_ready(timeout_s=1.0) is False
+    assert time.monotonic() - started < 10
+    assert executor._process is None and reason in executor.process_unavailable
+    assert not alive(pid)
+    dev, host = snapshot(storage)
+    b = {"d2h_src_ids": [1], "d2h_dst_slots": [2], "h2d_src_slots": [3], "h2d_dst_ids": [4]}
+    executor.start()
+    executor.submit_tiers(**b).wait(timeout_s=30)
+    apply_model(dev, host, **b)
+    executor.close()
+    assert_same(storage, dev, host)
+
+
+def test_wait_process_ready_comes_before_the_first_batch() -> None:
+    executor = CopyExecutor(shared_storage())
+    assert executor.wait_process_ready() is True
+    executor.submit_tiers(d2h_src_ids=[1], d2h_dst_slots=[0])
+    with pytest.raises(RuntimeError, match="before the first batch"):
+        executor.wait_process_ready()
+    executor.close()
+
+
+@pytest.mark.anyio
+async def test_a_manager_whose_copy_process_cannot_start_enters_and_copies_on_the_thread(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(sys, "executable", write_program(tmp_path / "python", "#!/bin/sh\nexit 3\n"))
+    config = KVCacheConfig(num_blocks=16, block_size=4, model=model_shape("tiny"), storage="tensors", host_blocks=64)
+    async with KVCacheManager(config) as kv:
+        assert kv._executor._process is None and "status 3" in kv._executor.process_unavailable
+        await kv.add_sequence("a", list(range(1, 30)))
+        await kv.swap_out("a")
+        await kv.swap_in("a")
+        await kv.check()
+
+
+def test_a_process_forked_while_the_copy_process_runs_does_not_keep_it_alive() -> None:
+    import multiprocessing
+
+    executor = CopyExecutor(shared_storage())
+    executor.start()
+    executor.submit_tiers(d2h_src_ids=[1], d2h_dst_slots=[0]).wait(timeout_s=30)
+    pid = executor._process.pid
+    helper = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,))
+    helper.start()  # inherits the pipes, then closes its copies at fork
+    try:
+        started = time.monotonic()
+        executor.close(timeout_s=30)
+        assert time.monotonic() - started < 10, "the close waited for the forked process"
+        assert not alive(pid) and executor.completed_seq_no == 1
+    finally:
+        helper.kill()
+        helper.join(timeout=10)

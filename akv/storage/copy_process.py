@@ -41,6 +41,7 @@ import select
 import struct
 import subprocess
 import sys
+import time
 import weakref
 from pathlib import Path
 
@@ -106,6 +107,26 @@ def _close_all(fds: list[int]) -> None:
             os.close(fds.pop())
 
 
+#: Every live copy process of this interpreter (see :func:`_after_fork_in_child`).
+_LIVE: weakref.WeakSet[CopyProcess] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked process (``multiprocessing``'s default start) closes its copies of the pipes.
+
+    Otherwise it would hold the request pipe open: the copy process would
+    never see end of file, outliving a killed parent and holding up the
+    manager's exit for as long as the forked process lives.
+    """
+    for process in list(_LIVE):
+        _close_all(process._request)
+        _close_all(process._response)
+        process._finalizer.detach()  # the child belongs to the parent: never reap or wait for it here
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _stop(proc: subprocess.Popen, request_fd: list[int], response_fd: list[int]) -> None:
     """Finalizer: close the request pipe (the child exits after its batches), reap the child, close the rest."""
     _close_all(request_fd)
@@ -154,6 +175,7 @@ class CopyProcess:
         #: Whether the child has said it is ready (its pools are mapped).
         self.ready = False
         self._finalizer = weakref.finalize(self, _stop, self._proc, self._request, self._response)
+        _LIVE.add(self)
 
     @property
     def pid(self) -> int:
@@ -186,13 +208,37 @@ class CopyProcess:
             while view:
                 view = view[os.write(fd, view) :]
         except BrokenPipeError:
-            raise BrokenPipeError(f"the copy process has exited: {self.describe_exit()}") from None
+            raise BrokenPipeError(f"the copy process {self.describe_exit()}") from None
+
+    def wait_ready(self, timeout_s: float) -> str | None:
+        """Block until the child says it is ready, before any batch is sent; ``None``, or why it is not.
+
+        Returns:
+            ``None`` once ready; else the reason (it exited first, or gave
+            no answer for ``timeout_s``), and the child is then killed.
+        """
+        deadline = time.monotonic() + timeout_s
+        buf = b""
+        while not self.ready and self._response:
+            if not select.select(self._response, [], [], max(0.0, deadline - time.monotonic()))[0]:
+                self.kill()
+                return f"the copy process was not ready after {timeout_s:g} s"
+            data = os.read(self._response[0], _RESPONSE.size - len(buf))
+            if not data:
+                return f"the copy process {self.describe_exit()}"
+            buf += data
+            if len(buf) == _RESPONSE.size:
+                if _RESPONSE.unpack(buf) != (0, 0):
+                    self.kill()
+                    return f"the copy process answered {_RESPONSE.unpack(buf)} instead of its ready record"
+                self.ready = True
+        return None
 
     def describe_exit(self) -> str:
         """How the child ended, in words (its status, and whether it had started), for error messages."""
         status = self.wait(timeout_s=1.0)
-        started = "" if self.ready else " before it was ready (it could not start: see its stderr)"
-        return f"exit status {status}{started}"
+        how = f"was killed by signal {-status}" if status is not None and status < 0 else f"exited (status {status})"
+        return how if self.ready else f"{how} before it was ready (see its stderr)"
 
     def completions(self, timeout_s: float | None = None) -> list[tuple[int, str | None]] | None:
         """Wait for the child's answers; every answer read, ``(seq_no, error message or None)``, in order.

@@ -14,12 +14,14 @@ without an answer: a manager's exit waits for its copies, but not forever.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
 
-from akv.storage.copy_process import CopyProcess
+from akv.storage.copy_process import CopyProcess, process_supported
 from akv.storage.copy_ticket import CopyTicket
+from akv.storage.kv_pool import KVStorage
 from akv.storage.tier_copy import TierBatch
 
 #: Seconds the reader waits for answers before it looks at the clock (the stall check).
@@ -100,8 +102,35 @@ class ProcessLane:
                 f"{len(unanswered)} batches unanswered"
             )
         elif unanswered or not self._closed_at:  # killed, or died: no copy runs from here on
-            error = RuntimeError(f"copy process exited ({exit_text}), {len(unanswered)} batches unanswered")
+            error = RuntimeError(f"the copy process {exit_text}, {len(unanswered)} batches unanswered")
         return unanswered, error
 
     def __repr__(self) -> str:
         return f"ProcessLane({self.process!r}, in_flight={len(self._inflight)})"
+
+
+def start_lane(
+    storage: KVStorage, process: bool | None, stall_timeout_s: float
+) -> tuple[ProcessLane | None, str | None]:
+    """Start a copy process on ``storage``'s shared pools; the lane, or ``None`` and why not.
+
+    Args:
+        storage: CPU pools in shared memory with a host tier.
+        process: ``False``: no child (``None, None``); ``None``: a child if
+            one can start, else ``None`` and the reason (a frozen or embedded
+            interpreter, an ``OSError`` starting it); ``True``: a child.
+        stall_timeout_s: See :class:`ProcessLane`.
+
+    Raises:
+        OSError: ``process=True`` and the child could not be started.
+    """
+    if process is False:
+        return None, None
+    if not process_supported():
+        return None, f"sys.executable {sys.executable!r} is not a python interpreter file"
+    try:
+        return ProcessLane(CopyProcess(storage), stall_timeout_s), None
+    except OSError as err:
+        if process:
+            raise
+        return None, f"cannot start the copy process: {err!r}"

@@ -37,7 +37,6 @@ numpy and torch ops, the phases of a batch in order. With
 from __future__ import annotations
 
 import queue
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,10 +44,10 @@ from dataclasses import dataclass
 import torch
 
 from akv.errors import ActorCrashed, InvalidInput, ManagerClosed
-from akv.storage.copy_process import CopyProcess, process_supported
+from akv.storage.copy_process import process_supported
 from akv.storage.copy_ticket import CopyTicket
 from akv.storage.kv_pool import KVStorage
-from akv.storage.process_lane import ProcessLane
+from akv.storage.process_lane import ProcessLane, start_lane
 from akv.storage.tensor_args import IndexLike
 from akv.storage.tier_copy import TierBatch, TierCopier, check_tier_batch, own_tier_batch, tier_batch_sizes
 from akv.storage.tier_cuda import CudaTierCopier
@@ -136,11 +135,9 @@ class CopyExecutor:
         )
         if process and not (shared and process_supported()):
             raise InvalidInput("process=True needs CPU pools in shared memory with a host tier and a python executable")
-        self.process_unavailable: str | None = None
-        child = self._start_process(storage, process) if shared else None
+        self._lane, self.process_unavailable = start_lane(storage, process, stall_timeout_s) if shared else (None, None)
         #: The child running the CPU copies, or ``None`` (worker thread, CUDA, metadata).
-        self._process = child
-        self._lane = ProcessLane(child, stall_timeout_s) if child is not None else None
+        self._process = self._lane.process if self._lane is not None else None
         self._cpu_copier = (
             TierCopier(storage) if storage is not None and not self._cuda and self._process is None else None
         )
@@ -150,19 +147,34 @@ class CopyExecutor:
         self.on_failure: Callable[[ActorCrashed], object] | None = None
         self._stream = torch.cuda.Stream(storage.device) if self._cuda else None
 
-    def _start_process(self, storage: KVStorage | None, process: bool | None) -> CopyProcess | None:
-        if process is False or storage is None:
-            return None
-        if not process_supported():
-            self.process_unavailable = f"sys.executable {sys.executable!r} is not a python interpreter file"
-            return None
-        try:
-            return CopyProcess(storage)
-        except OSError as err:
-            if process:
-                raise
-            self.process_unavailable = f"cannot start the copy process: {err!r}"
-            return None
+    def wait_process_ready(self, timeout_s: float = 30.0) -> bool:
+        """Before the first batch: wait for the copy process to say it is ready, else fall back to the thread.
+
+        Blocking (the manager calls it on a worker thread). A child that
+        exits first (``sys.executable`` is a program but no Python with
+        numpy) or stays silent for ``timeout_s`` is killed; the copies then
+        run on the worker thread and :attr:`process_unavailable` says why.
+
+        Returns:
+            Whether the copies run in a child process.
+
+        Raises:
+            RuntimeError: A batch was already submitted.
+        """
+        lane = self._lane
+        if lane is None:
+            return False
+        if self._next_seq_no != 1:
+            raise RuntimeError("wait_process_ready must come before the first batch")
+        reason = lane.process.wait_ready(timeout_s)
+        if reason is None:
+            return True
+        lane.process.close()  # killed by wait_ready, or exited
+        with self._lock:
+            self._process = self._lane = None
+            self._cpu_copier = TierCopier(self.storage) if self.storage is not None else None
+            self.process_unavailable = reason
+        return False
 
     @property
     def closed(self) -> bool:
