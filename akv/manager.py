@@ -122,6 +122,11 @@ class KVCacheManager(SequenceCalls, ManagerQueries, ManagerEvents, ManagerSnapsh
         self.storage = KVStorage.from_config(cfg)
         self._executor = CopyExecutor(self.storage)
         self._executor.on_failure = self._on_copy_failure
+        try:
+            await anyio.to_thread.run_sync(self._executor.wait_process_ready)
+        except BaseException:  # cancelled while the copy process started
+            self._executor.close(drain=False)
+            raise
         if self._executor.process_unavailable is not None:
             self.log.warning("copy_process.unavailable", reason=self._executor.process_unavailable, fallback="thread")
         self._eviction = EvictionLoop(

@@ -475,7 +475,7 @@ def test_copy_thread_keeps_the_tier_copies_out_of_a_child_process(
             started.append(storage)
             raise OSError("no copy process in this test")  # the executor falls back to its thread
 
-    monkeypatch.setattr("akv.storage.stream_worker.CopyProcess", NoChild)
+    monkeypatch.setattr("akv.storage.process_lane.CopyProcess", NoChild)
     argv = ["replay", "--limit", "20", "--num-blocks", "256", "--host-blocks", "512", "--no-progress"]
     assert main([*argv, "--copy-thread"] if copy_thread else argv) == 0
     assert len(started) == (0 if copy_thread else 1)
