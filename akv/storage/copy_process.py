@@ -91,11 +91,13 @@ def _layout(storage: KVStorage) -> dict:
 
 
 def process_supported() -> bool:
-    """Whether a copy process can be started here: ``sys.executable`` is a Python interpreter file.
+    """Whether a copy process can be started here: ``sys.executable`` names an executable file.
 
     False in a frozen application (PyInstaller and the like set
     ``sys.frozen``; its executable would start the application, not Python)
-    and in an embedded interpreter with no executable.
+    and in an embedded interpreter with no executable. Whether that file is
+    a Python with numpy shows when the child answers
+    (:meth:`CopyProcess.wait_ready`).
     """
     exe = sys.executable
     return not getattr(sys, "frozen", False) and bool(exe) and os.access(exe, os.X_OK)
