@@ -15,6 +15,7 @@ without an answer: a manager's exit waits for its copies, but not forever.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -42,19 +43,23 @@ class ProcessLane:
         self.stall_timeout_s = stall_timeout_s
         self._closed_at = 0.0  # monotonic seconds of the first close()
         self._inflight: deque[CopyTicket] = deque()
+        self._drain_lock = threading.Lock()  # the final drain against a failed send taking its ticket back
 
     def send(self, ticket: CopyTicket, batch: TierBatch) -> None:
         """Write a numbered batch to the child (the caller holds the lock that orders ``seq_no``).
 
         Raises:
             OSError: The child has exited or the request pipe is closed;
-                nothing is in flight for this ticket.
+                nothing is in flight for this ticket (the reader, ending at
+                the same time, may have failed it already).
         """
         self._inflight.append(ticket)
         try:
             self.process.send(ticket.seq_no, batch)
         except OSError:
-            self._inflight.pop()
+            with self._drain_lock:
+                if self._inflight and self._inflight[-1] is ticket:
+                    self._inflight.pop()
             raise
 
     def close(self, drain: bool) -> None:
@@ -93,8 +98,9 @@ class ProcessLane:
                 settle(ticket, message)
         exit_text = process.describe_exit()
         process.close()
-        unanswered = list(self._inflight)
-        self._inflight.clear()
+        with self._drain_lock:  # a send failing meanwhile finds its ticket in flight, or failed here
+            unanswered = list(self._inflight)
+            self._inflight.clear()
         error = None
         if stalled:
             error = RuntimeError(
