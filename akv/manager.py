@@ -36,7 +36,6 @@ from akv.actors.runtime import Actor
 from akv.config import KVCacheConfig
 from akv.core.ids import describe, plain_id
 from akv.core.shard_map import ShardMap
-from akv.core.shard_state import ShardState
 from akv.core.step import Admit, StepOutcome, StepRequest
 from akv.errors import (
     ActorCrashed,
@@ -53,11 +52,12 @@ from akv.manager_results import metrics_snapshot, result_attributes, step_result
 from akv.manager_sequence_move import SequenceMoves
 from akv.manager_sequences import SequenceCalls
 from akv.manager_snapshot import ManagerSnapshots
+from akv.manager_start import build_shards, start_executor
 from akv.manager_tiers import TierCalls
 from akv.obs.metrics import ManagerMetrics, MetricsSnapshot
 from akv.obs.tracing import AkvTracer
 from akv.results import StepResult
-from akv.storage import CopyExecutor, KVStorage
+from akv.storage import KVStorage
 
 __all__ = ["Admit", "KVCacheManager"]
 
@@ -120,15 +120,8 @@ class KVCacheManager(SequenceCalls, ManagerQueries, ManagerEvents, ManagerSnapsh
         cfg = self.config
         self._tracer = AkvTracer(self._tracer_provider)  # picks up a global provider set since __init__
         self.storage = KVStorage.from_config(cfg)
-        self._executor = CopyExecutor(self.storage)
+        self._executor = await start_executor(self.storage, self.log)
         self._executor.on_failure = self._on_copy_failure
-        try:
-            await anyio.to_thread.run_sync(self._executor.wait_process_ready)
-        except BaseException:  # cancelled while the copy process started
-            self._executor.close(drain=False)
-            raise
-        if self._executor.process_unavailable is not None:
-            self.log.warning("copy_process.unavailable", reason=self._executor.process_unavailable, fallback="thread")
         self._eviction = EvictionLoop(
             self._shards,
             batch_blocks=cfg.eviction_batch_blocks,
@@ -136,40 +129,20 @@ class KVCacheManager(SequenceCalls, ManagerQueries, ManagerEvents, ManagerSnapsh
             batch_seconds=self._metrics.eviction_batch_s,
             tracer=self._tracer,
         )
-        host_ranges = cfg.host_shard_ranges()
-        for index, block_ids in enumerate(cfg.shard_ranges()):
-            try:
-                state = ShardState(
-                    index,
-                    block_ids,
-                    cfg.block_size,
-                    enable_prefix_cache=cfg.enable_prefix_cache,
-                    eviction_policy=cfg.eviction_policy,
-                    null_block_id=cfg.null_block_id,
-                    host_ids=host_ranges[index],
-                    host_base=cfg.host_block_base,
-                    sync_copies=self.storage is None,
-                )
-            except MemoryError:
-                self._shards.clear()
-                self._executor.close(drain=False)  # nothing was queued; stops the copy process
-                raise InvalidInput(
-                    f"cannot allocate the block metadata of {len(block_ids):,} blocks "
-                    f"(states, refcounts and {cfg.block_size} token ids per block) on the host"
-                ) from None
-            self._shards.append(
-                PoolShardActor(
-                    state,
-                    self._executor,
-                    watermarks=cfg.watermark_blocks(len(block_ids)),
-                    wake_eviction=self._eviction.wake,
-                    debug_invariants=cfg.debug_invariants,
-                    inbox_capacity=cfg.inbox_capacity,
-                    logger=self._logger,
-                    copy_bytes=self._metrics.copy_bytes,
-                    tracer=self._tracer,
-                )
+        try:
+            shards = build_shards(
+                cfg,
+                self._executor,
+                self._eviction.wake,
+                sync_copies=self.storage is None,
+                logger=self._logger,
+                copy_bytes=self._metrics.copy_bytes,
+                tracer=self._tracer,
             )
+        except InvalidInput:
+            self._executor.close(drain=False)  # nothing was queued; stops the copy process
+            raise
+        self._shards.extend(shards)  # the eviction loop's list
         self._start_events()
         self._actors: list[Actor] = [*self._shards]
         for actor in self._actors:
