@@ -33,6 +33,14 @@ def shared_storage(**kw) -> KVStorage:
     return make_storage(shared_memory=True, **kw)
 
 
+def watched_executor(**kw) -> tuple[CopyExecutor, list[ActorCrashed]]:
+    """An executor on fresh shared pools and the list its ``on_failure`` reports go to."""
+    executor = CopyExecutor(shared_storage(), **kw)
+    failures: list[ActorCrashed] = []
+    executor.on_failure = failures.append
+    return executor, failures
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -83,10 +91,7 @@ def test_process_true_needs_shared_pools_and_false_keeps_the_thread() -> None:
 
 
 def test_a_child_killed_with_sigkill_fails_pending_batches_and_breaks_the_executor() -> None:
-    storage = shared_storage()
-    executor = CopyExecutor(storage)
-    failures: list[ActorCrashed] = []
-    executor.on_failure = failures.append
+    executor, failures = watched_executor()
     done = executor.submit_tiers(d2h_src_ids=[1], d2h_dst_slots=[0])
     executor.start()
     done.wait(timeout_s=30)
@@ -101,10 +106,7 @@ def test_a_child_killed_with_sigkill_fails_pending_batches_and_breaks_the_execut
 
 
 def test_a_batch_the_child_cannot_copy_fails_with_its_message_and_later_ones_fail_too() -> None:
-    storage = shared_storage()
-    executor = CopyExecutor(storage)
-    failures: list[ActorCrashed] = []
-    executor.on_failure = failures.append
+    executor, failures = watched_executor()
     bad = torch.tensor([10_000])  # past the host pool: only a bypassed check can send it
     empty = torch.empty(0, dtype=torch.int64)
     ticket = executor._submit_batch(TierBatch(torch.tensor([1]), bad, empty, empty, empty, empty))
@@ -216,9 +218,7 @@ def test_stop_signals_to_the_group_leave_the_child_copying() -> None:
 
 
 def test_a_child_stopped_after_close_is_killed_once_the_stall_timeout_passes() -> None:
-    executor = CopyExecutor(shared_storage(), stall_timeout_s=0.5)
-    failures: list[ActorCrashed] = []
-    executor.on_failure = failures.append
+    executor, failures = watched_executor(stall_timeout_s=0.5)
     executor.start()
     executor.submit_tiers(d2h_src_ids=[1], d2h_dst_slots=[0]).wait(timeout_s=30)  # the child is ready
     pid = executor._process.pid
@@ -248,9 +248,7 @@ def test_a_drained_close_gives_back_the_pipes_and_reaps_the_child() -> None:
 
 def test_a_child_that_cannot_start_breaks_the_executor_with_a_typed_error_saying_so(monkeypatch) -> None:
     monkeypatch.setattr(sys, "executable", "/bin/false")  # an executable that is no python: exits with status 1
-    executor = CopyExecutor(shared_storage())
-    failures: list[ActorCrashed] = []
-    executor.on_failure = failures.append
+    executor, failures = watched_executor()
     executor.start()
     with pytest.raises(ActorCrashed):
         executor.submit_tiers(d2h_src_ids=[1], d2h_dst_slots=[0]).wait(timeout_s=30)
