@@ -333,7 +333,7 @@ def test_wait_process_ready_comes_before_the_first_batch() -> None:
     executor = CopyExecutor(shared_storage())
     assert executor.wait_process_ready() is True
     executor.submit_tiers(d2h_src_ids=[1], d2h_dst_slots=[0])
-    with pytest.raises(RuntimeError, match="before the first batch"):
+    with pytest.raises(InvalidInput, match="before the first batch"):
         executor.wait_process_ready()
     executor.close()
 

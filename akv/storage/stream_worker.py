@@ -159,13 +159,13 @@ class CopyExecutor:
             Whether the copies run in a child process.
 
         Raises:
-            RuntimeError: A batch was already submitted.
+            InvalidInput: A batch was already submitted.
         """
         lane = self._lane
         if lane is None:
             return False
         if self._next_seq_no != 1:
-            raise RuntimeError("wait_process_ready must come before the first batch")
+            raise InvalidInput("wait_process_ready must come before the first batch")
         reason = lane.process.wait_ready(timeout_s)
         if reason is None:
             return True
