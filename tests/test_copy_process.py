@@ -367,3 +367,55 @@ def test_a_process_forked_while_the_copy_process_runs_does_not_keep_it_alive() -
     finally:
         helper.kill()
         helper.join(timeout=10)
+
+
+def test_the_pipes_may_have_descriptor_numbers_above_1023() -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the descriptor limit {hard} is below 1200")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(max(0, 1100 - len(open_fds())))]
+    try:
+        executor = CopyExecutor(shared_storage())
+        assert executor.wait_process_ready() is True  # select() would refuse descriptors past 1023
+        executor.start()
+        executor.submit_tiers(d2h_src_ids=[1], d2h_dst_slots=[0]).wait(timeout_s=30)
+        executor.close(timeout_s=30)
+        assert executor.completed_seq_no == 1 and executor._failure is None
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_process_forked_while_the_child_is_being_started_does_not_keep_it_alive(monkeypatch) -> None:
+    import multiprocessing
+    import subprocess as sp
+
+    helpers = []
+    real_popen = sp.Popen
+
+    def fork_then_popen(*args, **kw):  # another thread forking at the worst moment: the pipes exist, no child yet
+        helper = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,))
+        helper.start()
+        helpers.append(helper)
+        return real_popen(*args, **kw)
+
+    monkeypatch.setattr("akv.storage.copy_process.subprocess.Popen", fork_then_popen)
+    executor = CopyExecutor(shared_storage())
+    monkeypatch.undo()
+    try:
+        assert executor.wait_process_ready() is True
+        executor.start()
+        executor.submit_tiers(d2h_src_ids=[1], d2h_dst_slots=[0]).wait(timeout_s=30)
+        pid = executor._process.pid
+        started = time.monotonic()
+        executor.close(timeout_s=30)
+        assert time.monotonic() - started < 10, "the close waited for the forked process"
+        assert not alive(pid) and executor._failure is None
+    finally:
+        for helper in helpers:
+            helper.kill()
+            helper.join(timeout=10)

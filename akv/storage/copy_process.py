@@ -103,6 +103,13 @@ def process_supported() -> bool:
     return not getattr(sys, "frozen", False) and bool(exe) and os.access(exe, os.X_OK)
 
 
+def _readable(fd: int, timeout_s: float) -> bool:
+    """Whether ``fd`` has data or end of file within ``timeout_s`` (``poll``: no limit on descriptor numbers)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(max(0, int(timeout_s * 1000) + 1)))
+
+
 def _close_all(fds: list[int]) -> None:
     while fds:
         with contextlib.suppress(OSError):
@@ -123,7 +130,9 @@ def _after_fork_in_child() -> None:
     for process in list(_LIVE):
         _close_all(process._request)
         _close_all(process._response)
-        process._finalizer.detach()  # the child belongs to the parent: never reap or wait for it here
+        _close_all(process._child_ends)
+        if process._finalizer is not None:
+            process._finalizer.detach()  # the child belongs to the parent: never reap or wait for it here
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -157,6 +166,11 @@ class CopyProcess:
             fcntl.fcntl(req_w, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
         layout.update(request_fd=req_r, response_fd=resp_w)
         fds = (layout["device"]["fd"], layout["host"]["fd"], req_r, resp_w)
+        # Lists, so that the finalizer, close() and a fork's handler share them; registered
+        # before Popen, so that a thread forking meanwhile closes the pipes in its child.
+        self._request, self._response, self._child_ends = [req_w], [resp_r], [req_r, resp_w]
+        self._finalizer: weakref.finalize | None = None
+        _LIVE.add(self)
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", _BOOT, str(_CHILD), json.dumps(layout)],
@@ -166,18 +180,15 @@ class CopyProcess:
                 start_new_session=True,
             )
         except BaseException:
-            for fd in (req_r, req_w, resp_r, resp_w):
-                os.close(fd)
+            _LIVE.discard(self)
+            for ends in (self._request, self._response, self._child_ends):
+                _close_all(ends)
             raise
-        os.close(req_r)  # the child's ends
-        os.close(resp_w)
-        self._request = [req_w]  # lists, so that the finalizer and close() share them
-        self._response = [resp_r]
+        _close_all(self._child_ends)
         self._pending = b""
         #: Whether the child has said it is ready (its pools are mapped).
         self.ready = False
         self._finalizer = weakref.finalize(self, _stop, self._proc, self._request, self._response)
-        _LIVE.add(self)
 
     @property
     def pid(self) -> int:
@@ -222,7 +233,7 @@ class CopyProcess:
         deadline = time.monotonic() + timeout_s
         buf = b""
         while not self.ready and self._response:
-            if not select.select(self._response, [], [], max(0.0, deadline - time.monotonic()))[0]:
+            if not _readable(self._response[0], deadline - time.monotonic()):
                 self.kill()
                 return f"the copy process was not ready after {timeout_s:g} s"
             data = os.read(self._response[0], _RESPONSE.size - len(buf))
@@ -257,7 +268,7 @@ class CopyProcess:
         while not out:
             if not self._response:
                 return None
-            if timeout_s is not None and not select.select(self._response, [], [], timeout_s)[0]:
+            if timeout_s is not None and not _readable(self._response[0], timeout_s):
                 return out
             data = os.read(self._response[0], 1 << 16)
             if not data:

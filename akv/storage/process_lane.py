@@ -133,7 +133,8 @@ def start_lane(
     if process is False:
         return None, None
     if not process_supported():
-        return None, f"sys.executable {sys.executable!r} is not a python interpreter file"
+        frozen = "a frozen application: " if getattr(sys, "frozen", False) else ""
+        return None, f"{frozen}sys.executable {sys.executable!r} is not a python interpreter to start"
     try:
         return ProcessLane(CopyProcess(storage), stall_timeout_s), None
     except OSError as err:
