@@ -41,6 +41,17 @@ def watched_executor(**kw) -> tuple[CopyExecutor, list[ActorCrashed]]:
     return executor, failures
 
 
+def copies_one_batch_exactly(executor: CopyExecutor, storage: KVStorage) -> None:
+    """Start ``executor``, run one batch of both directions, close it, and compare the pools with the model."""
+    dev, host = snapshot(storage)
+    b = {"d2h_src_ids": [1], "d2h_dst_slots": [2], "h2d_src_slots": [3], "h2d_dst_ids": [4]}
+    executor.start()
+    executor.submit_tiers(**b).wait(timeout_s=30)
+    apply_model(dev, host, **b)
+    executor.close()
+    assert_same(storage, dev, host)
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -267,13 +278,7 @@ def test_without_a_python_executable_the_copies_fall_back_to_the_thread(monkeypa
         CopyExecutor(storage, process=True)
     executor = CopyExecutor(storage)
     assert executor._process is None and "not a python interpreter" in executor.process_unavailable
-    dev, host = snapshot(storage)
-    b = {"d2h_src_ids": [1], "d2h_dst_slots": [2], "h2d_src_slots": [3], "h2d_dst_ids": [4]}
-    executor.start()
-    executor.submit_tiers(**b).wait(timeout_s=30)
-    apply_model(dev, host, **b)
-    executor.close()
-    assert_same(storage, dev, host)
+    copies_one_batch_exactly(executor, storage)
 
 
 @pytest.mark.anyio
@@ -320,13 +325,7 @@ def test_a_child_that_never_gets_ready_is_killed_and_the_thread_copies(tmp_path,
     assert time.monotonic() - started < 10
     assert executor._process is None and reason in executor.process_unavailable
     assert not alive(pid)
-    dev, host = snapshot(storage)
-    b = {"d2h_src_ids": [1], "d2h_dst_slots": [2], "h2d_src_slots": [3], "h2d_dst_ids": [4]}
-    executor.start()
-    executor.submit_tiers(**b).wait(timeout_s=30)
-    apply_model(dev, host, **b)
-    executor.close()
-    assert_same(storage, dev, host)
+    copies_one_batch_exactly(executor, storage)
 
 
 def test_wait_process_ready_comes_before_the_first_batch() -> None:
