@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from akv.errors import ActorCrashed, InvalidInput, ManagerClosed
-from akv.storage.copy_process import process_supported
+from akv.storage.copy_process import CopyProcess, process_supported
 from akv.storage.copy_ticket import CopyTicket
 from akv.storage.kv_pool import KVStorage
 from akv.storage.process_lane import ProcessLane, start_lane
@@ -136,10 +136,8 @@ class CopyExecutor:
         if process and not (shared and process_supported()):
             raise InvalidInput("process=True needs CPU pools in shared memory with a host tier and a python executable")
         self._lane, self.process_unavailable = start_lane(storage, process, stall_timeout_s) if shared else (None, None)
-        #: The child running the CPU copies, or ``None`` (worker thread, CUDA, metadata).
-        self._process = self._lane.process if self._lane is not None else None
         self._cpu_copier = (
-            TierCopier(storage) if storage is not None and not self._cuda and self._process is None else None
+            TierCopier(storage) if storage is not None and not self._cuda and self._lane is None else None
         )
         self._cuda_copier = CudaTierCopier(storage, zero_copy) if storage is not None and self._cuda else None
         #: Called from the worker thread with the :class:`ActorCrashed` of a failed
@@ -171,10 +169,15 @@ class CopyExecutor:
             return True
         lane.process.close()  # killed by wait_ready, or exited
         with self._lock:
-            self._process = self._lane = None
+            self._lane = None
             self._cpu_copier = TierCopier(self.storage) if self.storage is not None else None
             self.process_unavailable = reason
         return False
+
+    @property
+    def _process(self) -> CopyProcess | None:
+        """The child running the CPU copies, or ``None`` (worker thread, CUDA, metadata)."""
+        return self._lane.process if self._lane is not None else None
 
     @property
     def closed(self) -> bool:
