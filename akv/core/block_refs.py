@@ -247,6 +247,7 @@ class BlockRefs:
         if len(ids) <= _PY_LOOP_PINS and len(set(ids)) == len(ids):
             return self._unpin_few(ids)
         off = np.array(ids, dtype=np.intp) - base
+        before = pins[off]
         np.subtract.at(pins, off, _ONE)
         left = pins[off]
         if left.min() < 0:
@@ -254,7 +255,7 @@ class BlockRefs:
             raise ValueError(f"unpin of block {int(off[np.argmin(left)]) + base}, pinned fewer times")
         self.total_pins -= len(ids)
         zero = off[left == 0]
-        if len(zero) > 1 and len(np.unique(zero)) < len(zero):  # listed twice: released at its last occurrence
+        if len(zero) > 1 and (before - left != 1).any():  # listed twice: released at its last occurrence
             zero = np.array(list(dict.fromkeys(zero[::-1].tolist()))[::-1], dtype=np.intp)
         zero = zero[self._state[zero] == IN_FLIGHT]
         entered = zero[self._published[zero]]
