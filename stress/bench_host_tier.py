@@ -14,8 +14,9 @@ process, with ``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)`` (said in
 the output). ``sweep`` compares each host size with the device-only pool of
 the same total (the issue's reference is 250,000 device blocks). ``cost``
 runs tier off, tier on, tier off, tier on, ... and reports each run's step
-latency mean / p50 / p99 (µs, over every scheduler step), wall time and the
-main thread's CPU time (``time.thread_time``: the event loop's work, the
+latency mean / p50 / p99 (µs, over every scheduler step), wall time (of
+which the scheduler awaited the step's copies, as a runner must before its
+forward pass: ``ReplayOptions.wait_copies``) and the main thread's CPU time (``time.thread_time``: the event loop's work, the
 manager's included, and the number least moved by other jobs on the
 machine), and the median of the per-pair ratios.
 """
@@ -161,6 +162,7 @@ def cost(requests: list, args: argparse.Namespace) -> dict:
                     "host_blocks": host,
                     "copy_process": process,
                     "wall_s": r["wall_s"],
+                    "copy_wait_s": r["copy_wait_s"],
                     "cpu_s": r["cpu_s"],
                     **lat,
                     "hit_rate": r["hit_rate"],
@@ -169,7 +171,7 @@ def cost(requests: list, args: argparse.Namespace) -> dict:
             what = "" if host == 0 or args.storage == "none" else (" (process)" if process else " (thread) ")
             print(
                 f"pair {pair} host {host:>7,}{what}: step mean {lat['mean']:.1f} p50 {lat['p50']:.1f} "
-                f"p99 {lat['p99']:.1f} us, wall {r['wall_s']:.2f} s, main-thread CPU {r['cpu_s']:.2f} s, "
+                f"p99 {lat['p99']:.1f} us, wall {r['wall_s']:.2f} s (awaiting copies {r['copy_wait_s']:.2f} s), main-thread CPU {r['cpu_s']:.2f} s, "
                 f"hit rate {r['hit_rate']:.4%}, load {os.getloadavg()[0]:.2f}",
                 flush=True,
             )

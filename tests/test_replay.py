@@ -209,3 +209,45 @@ async def test_a_full_shard_preempts_its_own_sequences_and_the_replay_finishes()
         stats = await kv.stats()
         assert (stats.active, stats.num_sequences) == (0, 0)
         await kv.check()
+
+
+class _StepsSeen:
+    """A manager proxy that records, at each step, whether the previous step's copies had all run."""
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self._kv = kv
+        self.last = None
+        self.copying_steps = 0
+        self.ahead = 0  # steps asked while the previous step's copies were still pending
+
+    def __getattr__(self, name: str):
+        return getattr(self._kv, name)
+
+    async def step(self, **kwargs):
+        if self.last is not None and not self.last.copies.done():
+            self.ahead += 1
+        self.last = await self._kv.step(**kwargs)
+        self.copying_steps += bool(self.last.copies.tickets)
+        return self.last
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("wait_copies", [True, False])
+async def test_the_replay_awaits_each_steps_copies_as_a_runner_must(wait_copies: bool) -> None:
+    # With a host tier every admission that evicts demotes and every host hit promotes: a
+    # runner's forward pass reads those blocks, so it waits for the step's copies first.
+    requests = synthetic_requests(60)
+    cfg = KVCacheConfig(num_blocks=48, block_size=BLOCK, host_blocks=96)
+    async with KVCacheManager(cfg) as kv:
+        seen = _StepsSeen(kv)
+        options = ReplayOptions(max_batch=16, trace_block_tokens=TRACE_BLOCK, wait_copies=wait_copies)
+        report = await replay(seen, requests, options)
+        assert report.requests_finished == len(requests)
+        assert report.demoted_blocks > 0 and report.promoted_blocks > 0
+        assert seen.copying_steps > 0
+        if wait_copies:
+            assert seen.ahead == 0
+            assert 0 < report.copy_wait_s < report.wall_s
+        else:
+            assert report.copy_wait_s == 0.0
+        await kv.check()

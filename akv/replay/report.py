@@ -62,6 +62,8 @@ def print_summary(report: ReplayReport, config: KVCacheConfig, trace: Path) -> N
         ("simulated time", f"{report.simulated_s:,.1f} s"),
         ("wall time", f"{report.wall_s:,.2f} s"),
     ]
+    if report.copy_wait_s:
+        rows.append(("of which awaiting copies", f"{report.copy_wait_s:,.2f} s"))
     if config.num_host_blocks:
         host_gib = config.num_host_blocks * config.bytes_per_block / 2**30
         rows[3:3] = [("host tier", f"{config.num_host_blocks:,} blocks ({host_gib:,.2f} GiB)")]

@@ -60,6 +60,12 @@ class ReplayOptions:
         timeline_every_steps: Sample ``kv.stats()`` into ``report.timeline``
             every this many steps, and at the first and the last step (0: no
             timeline; ``akv replay --plot``).
+        wait_copies: Await each step's copies (``StepResult.copies``: with a
+            host tier its demotions and promotions) before the next step, as a
+            model runner must before its forward pass reads or writes the
+            step's blocks. False lets the scheduler run ahead of the copy
+            worker, which no runner can (its sequences would read promoted
+            blocks before they arrived). No effect in metadata mode (no copies).
     """
 
     max_batch: int = 256
@@ -70,6 +76,7 @@ class ReplayOptions:
     seed: int = 0
     want_metadata: bool = True
     timeline_every_steps: int = 0
+    wait_copies: bool = True
 
     def __post_init__(self) -> None:
         if self.timeline_every_steps < 0:
@@ -121,6 +128,9 @@ class ReplayReport:
     peak_running: int = 0
     simulated_s: float = 0.0
     wall_s: float = 0.0
+    #: Wall seconds spent awaiting step copies (``ReplayOptions.wait_copies``), part of
+    #: ``wall_s``: the copy worker's time that nothing overlapped (the replay has no forward pass).
+    copy_wait_s: float = 0.0
     step_latency_us: dict = field(default_factory=dict)
     cached_tokens_per_request: list = field(default_factory=list)
     #: ``time.time()`` of each request's first admission (0.0: never admitted), by position.
@@ -280,7 +290,11 @@ async def replay(
             admits=admits,
             want_metadata=options.want_metadata,
         )
-        latencies.append(time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        latencies.append(t1 - t0)
+        if options.wait_copies and result.copies.tickets:
+            await result.copies.wait()
+            report.copy_wait_s += time.perf_counter() - t1
         report.decode_steps += 1
         frees = []
         preempted = []
