@@ -18,6 +18,7 @@ import threading
 from typing import Any
 
 import anyio
+import numpy as np
 
 from akv.core.step import StepOutcome
 from akv.errors import AkvError
@@ -58,8 +59,8 @@ class ShardCopies:
             try:
                 if tiered:
                     d2h_src = outcome.demoted + [d for d, _ in outcome.swap_outs]
-                    d2h_dst = [h - hb for h in outcome.demoted_to] + [h - hb for _, h in outcome.swap_outs]
-                    h2d_src = [h - hb for h in outcome.promoted] + [h - hb for h, _ in outcome.swap_ins]
+                    d2h_dst = np.array(outcome.demoted_to + [h for _, h in outcome.swap_outs], dtype=np.int64) - hb
+                    h2d_src = np.array(outcome.promoted + [h for h, _ in outcome.swap_ins], dtype=np.int64) - hb
                     h2d_dst = outcome.promoted_to + [d for _, d in outcome.swap_ins]
                     to_host, to_device = len(d2h_src), len(h2d_src)
                     ticket = self.copy_executor.submit_own(d2h_src, d2h_dst, src, dst, h2d_src, h2d_dst)

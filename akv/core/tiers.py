@@ -149,11 +149,15 @@ class ShardTiers:
                 self.unready.discard(hid)
                 self.counters.demoted_blocks -= 1
                 put_back.append((hid, dev))
-        if t.released:
-            released = self.released
-            for b in t.released:
-                if released.get(b) == tid:
+        released = self.released
+        if t.released and released:  # the blocks no step handed out again (those left ``released`` then)
+            if len(released) < len(t.released):
+                for b in [b for b, owner in released.items() if owner == tid]:
                     del released[b]
+            else:
+                for b in t.released:
+                    if released.get(b) == tid:
+                        del released[b]
         if t.swap_out is not None:
             self._swap_out_done(t.swap_out, ok)
         if t.device_pins:
@@ -203,8 +207,11 @@ class ShardTiers:
         tids = np.fromiter(released.values(), dtype=np.int64, count=len(released))[reused]
         ids = ids[reused]
         reused = ids.tolist()
-        for b in reused:
-            del released[b]
+        if len(reused) == len(released):
+            released.clear()
+        else:
+            for b in reused:
+                del released[b]
         for tid in np.unique(tids).tolist():
             self._transfers[tid].held_pins += ids[tids == tid].tolist()
         pool.pin_for_copy(reused)  # freed before the copy ran: in flight, not free under it

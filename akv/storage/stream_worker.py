@@ -302,8 +302,8 @@ class CopyExecutor:
             return self._submit_metadata(*tier_batch_sizes(**phases))
         return self._submit_batch(check_tier_batch(self.storage, **phases))
 
-    def submit_own(self, *phases: list[int]) -> CopyTicket:
-        """Queue a pool shard's own batch (six lists of ints, as :meth:`submit_tiers` names them, in that order).
+    def submit_own(self, *phases: IndexLike) -> CopyTicket:
+        """Queue a pool shard's own batch (six lists of ints or int64 arrays, as :meth:`submit_tiers` names them, in order).
 
         For the manager's batches, built from its block states: ids are
         range-checked, destinations are not searched for repeats

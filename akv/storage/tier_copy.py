@@ -163,8 +163,8 @@ def check_tier_batch(
     return TierBatch(*d2h, *d2d, *h2d)
 
 
-def own_tier_batch(storage: KVStorage, *phases: list[int]) -> TierBatch:
-    """A batch of the manager's own copies: six lists of ints, range-checked, not searched for repeats.
+def own_tier_batch(storage: KVStorage, *phases: list[int] | np.ndarray) -> TierBatch:
+    """A batch of the manager's own copies: six lists of ints (or int64 arrays), range-checked, not searched for repeats.
 
     The pool shards build their batches from their block states, where
     distinct destinations hold by construction (``check()`` and the state
@@ -184,14 +184,14 @@ def own_tier_batch(storage: KVStorage, *phases: list[int]) -> TierBatch:
     limits = (storage.num_blocks, host_blocks, storage.num_blocks, storage.num_blocks, host_blocks, storage.num_blocks)
     arrays = []
     for ids, limit in zip(phases, limits, strict=True):
-        arr = np.array(ids, dtype=np.int64)
+        arr = np.asarray(ids, dtype=np.int64)  # an int64 array is taken as it is (the caller made it for this batch)
         if len(arr) and (arr.min() < 0 or arr.max() >= limit):
             raise InvalidInput(f"copy ids out of range: min {arr.min()}, max {arr.max()}, must lie in [0, {limit})")
-        arrays.append(torch.from_numpy(arr))
+        arrays.append(arr)
     for src, dst in zip(arrays[::2], arrays[1::2]):
         if len(src) != len(dst):
             raise InvalidInput(f"a copy phase has {len(src)} sources but {len(dst)} destinations")
-    return TierBatch(*arrays)
+    return TierBatch(*map(torch.from_numpy, arrays))
 
 
 def tier_batch_sizes(**phases: IndexLike) -> tuple[int, int, int]:
