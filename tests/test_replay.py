@@ -13,6 +13,7 @@ import structlog
 
 from akv import KVCacheConfig, KVCacheManager, model_shape
 from akv.cli import main
+from akv.errors import InvalidInput
 from akv.replay import ReplayOptions, replay
 from akv.trace import TraceRequest, default_trace_path, expected_cached_tokens, read_trace
 
@@ -251,3 +252,70 @@ async def test_the_replay_awaits_each_steps_copies_as_a_runner_must(wait_copies:
         else:
             assert report.copy_wait_s == 0.0
         await kv.check()
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_replay_frees_its_sequences_and_the_next_replay_finishes() -> None:
+    # A cancelled replay left its running sequences in the manager, and a second replay on the
+    # same manager then waited forever for room they held (reviewer's api2.py: it spun at 99 % CPU).
+    requests = synthetic_requests(80, seed=3)
+    cfg = KVCacheConfig(num_blocks=48, block_size=BLOCK, host_blocks=64)
+    options = ReplayOptions(max_batch=16, trace_block_tokens=TRACE_BLOCK)
+    async with KVCacheManager(cfg) as kv:
+        steps = 0
+        real_step = kv.step
+
+        async def step(**kwargs):
+            nonlocal steps
+            steps += 1
+            if steps == 25:
+                raise anyio.get_cancelled_exc_class()  # as a cancelled scope delivers it, mid-replay
+            return await real_step(**kwargs)
+
+        kv.step = step
+        with pytest.raises(anyio.get_cancelled_exc_class()):
+            await replay(kv, requests, options)
+        del kv.step
+        stats = await kv.stats()
+        assert (stats.num_sequences, stats.active) == (0, 0)
+        with anyio.fail_after(120):  # a hang guard only
+            report = await replay(kv, requests, options)
+        assert report.requests_finished == len(requests)
+        await kv.check()
+
+
+@pytest.mark.anyio
+async def test_a_replay_beside_sequences_it_does_not_own_drops_what_cannot_fit() -> None:
+    requests = synthetic_requests(30, seed=4)
+    cfg = KVCacheConfig(num_blocks=48, block_size=BLOCK, storage="none")
+    async with KVCacheManager(cfg) as kv:
+        await kv.add_sequence("foreign", list(range(BLOCK * 46)))  # 46 of 48 blocks held by someone else
+        with anyio.fail_after(60):  # a hang guard only
+            report = await replay(kv, requests, ReplayOptions(max_batch=16, trace_block_tokens=TRACE_BLOCK))
+        assert report.requests_rejected > 0
+        assert report.requests_finished + report.requests_rejected == len(requests)
+        assert (await kv.stats()).num_sequences == 1
+        await kv.check()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"wait_copies": "no"},
+        {"wait_copies": None},
+        {"want_metadata": 1},
+        {"max_batch": True},
+        {"max_batch": 0},
+        {"step_ms": float("nan")},
+        {"step_ms": float("inf")},
+        {"step_ms": 0},
+        {"seed": -1},
+        {"trace_block_tokens": 0},
+        {"max_output_tokens": -1},
+        {"max_prefill_tokens": 2.5},
+        {"timeline_every_steps": -1},
+    ],
+)
+def test_replay_options_refuse_bad_values_with_a_typed_error(bad: dict) -> None:
+    with pytest.raises(InvalidInput, match=next(iter(bad))):
+        ReplayOptions(**bad)

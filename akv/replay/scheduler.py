@@ -27,17 +27,21 @@ Exactly one ``KVCacheManager.step`` call per scheduler step.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 import numpy as np
 import structlog
 
+from akv.core.ids import describe
 from akv.core.step import Admit
-from akv.errors import PoolExhausted, RequestTooLarge
+from akv.errors import ActorCrashed, InvalidInput, ManagerClosed, PoolExhausted, RequestTooLarge
 from akv.manager import KVCacheManager
 from akv.trace import TraceRequest, synthesize_output, synthesize_prompt
 
@@ -66,6 +70,11 @@ class ReplayOptions:
             step's blocks. False lets the scheduler run ahead of the copy
             worker, which no runner can (its sequences would read promoted
             blocks before they arrived). No effect in metadata mode (no copies).
+
+    Raises:
+        InvalidInput: A count is not an ``int`` in range (``max_batch``,
+            ``max_prefill_tokens`` and ``trace_block_tokens`` >= 1, the others
+            >= 0), ``step_ms`` is not a finite number > 0, or a flag is not a ``bool``.
     """
 
     max_batch: int = 256
@@ -79,12 +88,24 @@ class ReplayOptions:
     wait_copies: bool = True
 
     def __post_init__(self) -> None:
-        if self.timeline_every_steps < 0:
-            raise ValueError("timeline_every_steps must be >= 0")
-        if self.max_batch < 1 or self.step_ms <= 0 or self.max_prefill_tokens < 1:
-            raise ValueError("max_batch, step_ms and max_prefill_tokens must be positive")
-        if self.max_output_tokens is not None and self.max_output_tokens < 0:
-            raise ValueError("max_output_tokens must be >= 0")
+        lows = {"max_batch": 1, "max_prefill_tokens": 1, "trace_block_tokens": 1, "timeline_every_steps": 0}
+        lows.update(seed=0, max_output_tokens=0)
+        for name, low in lows.items():
+            value = getattr(self, name)
+            if value is None and name == "max_output_tokens":
+                continue
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < low:
+                raise InvalidInput(f"ReplayOptions.{name} must be an int >= {low}, got {describe(value)}")
+        step = self.step_ms
+        if (
+            isinstance(step, (bool, np.bool_))
+            or not isinstance(step, (int, float, np.number))
+            or not 0 < step < math.inf
+        ):
+            raise InvalidInput(f"ReplayOptions.step_ms must be a finite number > 0, got {describe(step)}")
+        for name in ("want_metadata", "wait_copies"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise InvalidInput(f"ReplayOptions.{name} must be a bool, got {describe(getattr(self, name))}")
 
 
 #: Fields of :class:`ReplayReport` copied from the final :class:`~akv.results.CacheStats` (the host tier's).
@@ -205,6 +226,13 @@ async def replay(
         progress: Called as ``progress(finished_or_dropped, total)`` about every
             second of wall time.
 
+    A request refused room twice while none of the replay's other sequences
+    runs (at admission, or as the only running sequence when its append is
+    refused: the pool is held by sequences the replay does not own) is
+    dropped and counted in ``requests_rejected``, as one larger than a shard is. If
+    the replay is cancelled or fails, its sequences are freed (shielded)
+    before the exception propagates.
+
     Returns:
         The report; ``cached_tokens_per_request`` lists first-admission hits
         by request index.
@@ -222,6 +250,9 @@ async def replay(
     synthesized: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # tokens of waiting requests
     frees: list[str] = []
     preempted: list[str] = []
+    tried: set[int] = set()  # requests ever sent to the manager: freed if the replay ends early
+    stalled: set[int] = set()  # requests refused admission once while none of the replay's sequences ran
+    lone_preempted: set[int] = set()  # requests preempted once as the only running sequence
     commits: dict[str, int] = {}
     appends: dict[str, int] = {}  # the next step's decode tokens, in the order of ``running``
     latencies: list[float] = []
@@ -235,157 +266,172 @@ async def replay(
         n = req.output_length
         return n if options.max_output_tokens is None else min(n, options.max_output_tokens)
 
-    while arrivals or waiting or running or frees or preempted:
-        while arrivals and requests[arrivals[0]].timestamp_ms <= now_ms:
-            waiting.append((arrivals.popleft(), None))
-        if not running and not waiting and not frees and not preempted and arrivals:
-            now_ms = float(requests[arrivals[0]].timestamp_ms)
-            continue
-
-        admits: list[Admit] = []
-        pending: list[tuple[int, np.ndarray | None, _Running]] = []
-        budget = options.max_prefill_tokens
-        slots = options.max_batch - len(running)
-        # Free plus evictable blocks (a gauge): a head request that cannot fit is
-        # not even tried, rather than matched and rejected every step.
-        available = kv.blocks_available
-        while waiting and slots > 0:
-            index, resume = waiting[0]
-            req = requests[index]
-            if index not in synthesized:
-                synthesized[index] = (
-                    synthesize_prompt(
-                        req.hash_ids,
-                        req.input_length,
-                        vocab_size=vocab,
-                        trace_block_tokens=options.trace_block_tokens,
-                        seed=options.seed,
-                    ),
-                    synthesize_output(req.index, out_len(req), vocab_size=vocab, seed=options.seed).tolist(),
-                )
-            prompt, outputs = synthesized[index]
-            tokens = prompt if resume is None else np.concatenate([prompt, resume])
-            if admits and len(tokens) > budget:
-                break
-            blocks = -(-len(tokens) // cfg.block_size)
-            if blocks > available and blocks <= cfg.num_blocks // cfg.num_shards:
-                break  # wait for room (FCFS); a request larger than a shard is rejected by the manager
-            available -= blocks
-            waiting.popleft()
-            seq_id = f"r{index}"
-            r = _Running(index, seq_id, len(prompt), out_len(req), outputs)
-            if resume is not None:
-                r.generated = len(resume)
-            admits.append(Admit(seq_id=seq_id, prompt=tokens, prefill_done=True, resumed=resume is not None))
-            pending.append((index, resume, r))
-            budget -= len(tokens)
-            slots -= 1
-
-        t0 = time.perf_counter()
-        result = await kv.step(
-            frees=frees,
-            preempted=preempted,
-            commits=commits,
-            appends=appends,
-            admits=admits,
-            want_metadata=options.want_metadata,
-        )
-        t1 = time.perf_counter()
-        latencies.append(t1 - t0)
-        if options.wait_copies and result.copies.tickets:
-            await result.copies.wait()
-            report.copy_wait_s += time.perf_counter() - t1
-        report.decode_steps += 1
-        frees = []
-        preempted = []
-        commits = {}
-
-        # One pass over the decoded sequences: commit, then the next token or done.
-        # Rejected appends retry the same token. Everything stays in the order of
-        # ``running`` (admission order), which the frees below follow.
-        rejected = result.rejected
-        next_appends: dict[str, int] = {}
-        finished: dict[str, None] = {}
-        too_large: list[str] = []  # sequences that outgrew a shard: dropped, never retried
-        for seq_id, token in appends.items():
-            if rejected and seq_id in rejected:
-                if isinstance(rejected[seq_id], RequestTooLarge):
-                    too_large.append(seq_id)
-                else:
-                    next_appends[seq_id] = token
+    try:
+        while arrivals or waiting or running or frees or preempted:
+            while arrivals and requests[arrivals[0]].timestamp_ms <= now_ms:
+                waiting.append((arrivals.popleft(), None))
+            if not running and not waiting and not frees and not preempted and arrivals:
+                now_ms = float(requests[arrivals[0]].timestamp_ms)
                 continue
-            r = running[seq_id]
-            r.generated += 1
-            commits[seq_id] = 1
-            if r.generated < r.output_len:
-                next_appends[seq_id] = r.outputs[r.generated]
-            else:
-                finished[seq_id] = None
-        report.output_tokens += len(commits)
-        requeue: list[tuple[int, np.ndarray | None]] = []
-        for index, resume, r in pending:
-            err = rejected.get(r.seq_id)
-            if err is None:
-                synthesized.pop(index, None)
-                cached = result.cached_tokens[r.seq_id]
-                if admitted_once[index]:
-                    report.readmissions += 1
-                    report.readmit_prompt_tokens += r.prompt_len + r.generated
-                    report.readmit_cached_tokens += cached
-                else:
-                    admitted_once[index] = True
-                    report.prompt_tokens += r.prompt_len
-                    report.cached_tokens += cached
-                    report.cached_tokens_per_request[index] = cached
-                    report.admitted_unix_s_per_request[index] = time.time()
-                running[r.seq_id] = r
-                order.append(r.seq_id)
+
+            admits: list[Admit] = []
+            pending: list[tuple[int, np.ndarray | None, _Running]] = []
+            budget = options.max_prefill_tokens
+            slots = options.max_batch - len(running)
+            # Free plus evictable blocks (a gauge): a head request that cannot fit is
+            # not even tried, rather than matched and rejected every step.
+            available = kv.blocks_available
+            while waiting and slots > 0:
+                index, resume = waiting[0]
+                req = requests[index]
+                if index not in synthesized:
+                    synthesized[index] = (
+                        synthesize_prompt(
+                            req.hash_ids,
+                            req.input_length,
+                            vocab_size=vocab,
+                            trace_block_tokens=options.trace_block_tokens,
+                            seed=options.seed,
+                        ),
+                        synthesize_output(req.index, out_len(req), vocab_size=vocab, seed=options.seed).tolist(),
+                    )
+                prompt, outputs = synthesized[index]
+                tokens = prompt if resume is None else np.concatenate([prompt, resume])
+                if admits and len(tokens) > budget:
+                    break
+                blocks = -(-len(tokens) // cfg.block_size)
+                alone = not running and not admits  # none of the replay's sequences holds blocks
+                if blocks > available and blocks <= cfg.num_blocks // cfg.num_shards and not alone:
+                    break  # wait for room (FCFS); a request larger than a shard is rejected by the manager
+                available -= blocks
+                waiting.popleft()
+                seq_id = f"r{index}"
+                r = _Running(index, seq_id, len(prompt), out_len(req), outputs)
+                if resume is not None:
+                    r.generated = len(resume)
+                admits.append(Admit(seq_id=seq_id, prompt=tokens, prefill_done=True, resumed=resume is not None))
+                tried.add(index)
+                pending.append((index, resume, r))
+                budget -= len(tokens)
+                slots -= 1
+
+            t0 = time.perf_counter()
+            result = await kv.step(
+                frees=frees,
+                preempted=preempted,
+                commits=commits,
+                appends=appends,
+                admits=admits,
+                want_metadata=options.want_metadata,
+            )
+            t1 = time.perf_counter()
+            latencies.append(t1 - t0)
+            if options.wait_copies and result.copies.tickets:
+                await result.copies.wait()
+                report.copy_wait_s += time.perf_counter() - t1
+            report.decode_steps += 1
+            frees = []
+            preempted = []
+            commits = {}
+
+            # One pass over the decoded sequences: commit, then the next token or done.
+            # Rejected appends retry the same token. Everything stays in the order of
+            # ``running`` (admission order), which the frees below follow.
+            rejected = result.rejected
+            next_appends: dict[str, int] = {}
+            finished: dict[str, None] = {}
+            too_large: list[str] = []  # sequences that outgrew a shard: dropped, never retried
+            for seq_id, token in appends.items():
+                if rejected and seq_id in rejected:
+                    if isinstance(rejected[seq_id], RequestTooLarge):
+                        too_large.append(seq_id)
+                    else:
+                        next_appends[seq_id] = token
+                    continue
+                r = running[seq_id]
+                r.generated += 1
+                commits[seq_id] = 1
                 if r.generated < r.output_len:
-                    next_appends[r.seq_id] = r.outputs[r.generated]
+                    next_appends[seq_id] = r.outputs[r.generated]
                 else:
-                    finished[r.seq_id] = None
-            elif isinstance(err, RequestTooLarge):
-                synthesized.pop(index, None)
+                    finished[seq_id] = None
+            report.output_tokens += len(commits)
+            requeue: list[tuple[int, np.ndarray | None]] = []
+            for index, resume, r in pending:
+                err = rejected.get(r.seq_id)
+                if err is None:
+                    synthesized.pop(index, None)
+                    stalled.discard(index)
+                    cached = result.cached_tokens[r.seq_id]
+                    if admitted_once[index]:
+                        report.readmissions += 1
+                        report.readmit_prompt_tokens += r.prompt_len + r.generated
+                        report.readmit_cached_tokens += cached
+                    else:
+                        admitted_once[index] = True
+                        report.prompt_tokens += r.prompt_len
+                        report.cached_tokens += cached
+                        report.cached_tokens_per_request[index] = cached
+                        report.admitted_unix_s_per_request[index] = time.time()
+                    running[r.seq_id] = r
+                    order.append(r.seq_id)
+                    if r.generated < r.output_len:
+                        next_appends[r.seq_id] = r.outputs[r.generated]
+                    else:
+                        finished[r.seq_id] = None
+                elif isinstance(err, RequestTooLarge) or (not running and await _held_by_others(kv, index, stalled)):
+                    synthesized.pop(index, None)
+                    report.requests_rejected += 1
+                    done += 1
+                else:
+                    requeue.append((index, resume))
+            waiting.extendleft(reversed(requeue))
+            appends = next_appends
+
+            for seq_id in too_large:
+                running.pop(seq_id)
+                order.remove(seq_id)
+                frees.append(seq_id)
                 report.requests_rejected += 1
                 done += 1
-            else:
-                requeue.append((index, resume))
-        waiting.extendleft(reversed(requeue))
-        appends = next_appends
+            lone = len(running) == 1  # preempting the only running sequence frees room for nobody else
+            for victim in _preemption_victims(kv, rejected, appends, order):
+                r = running.pop(victim)
+                commits.pop(victim, None)
+                appends.pop(victim, None)
+                finished.pop(victim, None)
+                if lone and r.index in lone_preempted:  # refused alone twice: the room is held by others
+                    frees.append(victim)
+                    report.requests_rejected += 1
+                    done += 1
+                    continue
+                if lone:
+                    lone_preempted.add(r.index)
+                preempted.append(victim)
+                report.preemptions += 1
+                waiting.appendleft((r.index, np.array(r.outputs[: r.generated], dtype=np.int32)))
 
-        for seq_id in too_large:
-            running.pop(seq_id)
-            order.remove(seq_id)
-            frees.append(seq_id)
-            report.requests_rejected += 1
-            done += 1
-        for victim in _preemption_victims(kv, rejected, appends, order):
-            r = running.pop(victim)
-            commits.pop(victim, None)
-            appends.pop(victim, None)
-            finished.pop(victim, None)
-            preempted.append(victim)
-            report.preemptions += 1
-            waiting.appendleft((r.index, np.array(r.outputs[: r.generated], dtype=np.int32)))
+            for seq_id in finished:
+                running.pop(seq_id)
+                order.remove(seq_id)
+                commits.pop(seq_id, None)
+                frees.append(seq_id)
+                report.requests_finished += 1
+                done += 1
 
-        for seq_id in finished:
-            running.pop(seq_id)
-            order.remove(seq_id)
-            commits.pop(seq_id, None)
-            frees.append(seq_id)
-            report.requests_finished += 1
-            done += 1
-
-        report.peak_blocks_in_use = max(report.peak_blocks_in_use, kv.blocks_in_use)
-        report.peak_running = max(report.peak_running, len(running))
-        every = options.timeline_every_steps
-        if every and (report.decode_steps == 1 or report.decode_steps % every == 0):
-            report.timeline.append(_sample(now_ms, await kv.stats()))
-            sampled_step = report.decode_steps
-        now_ms += options.step_ms
-        if progress is not None and time.perf_counter() >= next_progress:
-            progress(done, len(requests))
-            next_progress = time.perf_counter() + 1.0
+            report.peak_blocks_in_use = max(report.peak_blocks_in_use, kv.blocks_in_use)
+            report.peak_running = max(report.peak_running, len(running))
+            every = options.timeline_every_steps
+            if every and (report.decode_steps == 1 or report.decode_steps % every == 0):
+                report.timeline.append(_sample(now_ms, await kv.stats()))
+                sampled_step = report.decode_steps
+            now_ms += options.step_ms
+            if progress is not None and time.perf_counter() >= next_progress:
+                progress(done, len(requests))
+                next_progress = time.perf_counter() + 1.0
+    except BaseException:  # cancelled or failed: leave no sequence of the replay behind in the manager
+        await _free_requests(kv, tried)
+        raise
 
     if options.timeline_every_steps and report.decode_steps > sampled_step:  # the last step, so a short run has two
         report.timeline.append(_sample(now_ms - options.step_ms, await kv.stats()))
@@ -445,3 +491,27 @@ def _preemption_victims(kv: Any, rejected: dict, appends: dict, order: list[str]
     for v in victims:
         order.remove(v)
     return victims
+
+
+async def _held_by_others(kv: KVCacheManager, index: int, stalled: set[int]) -> bool:
+    """Whether request ``index``, refused for room while none of the replay's sequences ran, is to be dropped.
+
+    The first such refusal waits for the pending copies (the blocks they pin
+    are free once they ran) and lets the request try again; a second one in a
+    row means the room is held by sequences the replay does not own (another
+    user of the manager, or a replay cancelled before): waiting would never
+    end, so the request is dropped as one larger than a shard is.
+    """
+    if index in stalled:
+        return True
+    stalled.add(index)
+    await kv.wait_copies()
+    return False
+
+
+async def _free_requests(kv: KVCacheManager, indices: set[int]) -> None:
+    """Free the sequences of ``indices`` (shielded; unknown ones are skipped; nothing if the manager is down)."""
+    if not indices:
+        return
+    with anyio.CancelScope(shield=True), contextlib.suppress(ActorCrashed, ManagerClosed):
+        await kv.step(frees=[f"r{i}" for i in sorted(indices)], want_metadata=False)
