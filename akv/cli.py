@@ -4,8 +4,9 @@ This is an application, so it configures logging (library code never does).
 Exit codes: 0 the command did its work, 1 an unexpected error (one line on
 stderr; ``akv --debug ...`` prints the traceback), 2 bad input (a bad option,
 a malformed trace, a run that could do nothing, an output that cannot be
-written), 130 interrupted, 141 stdout closed early (``akv inspect LOG | head``:
-no message, as a process killed by SIGPIPE).
+written), 130 interrupted (SIGINT), 143 terminated (SIGTERM: the manager shuts
+down as on Ctrl-C, saving its snapshot if asked to), 141 stdout closed early
+(``akv inspect LOG | head``: no message, as a process killed by SIGPIPE).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -155,6 +158,15 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+_terminated = threading.Event()  # SIGTERM reached the command while it ran
+
+
+def _terminate(signum: int, frame: object) -> None:
+    """SIGTERM: unwind as on Ctrl-C (asyncio's runner cancels the main task; else KeyboardInterrupt), exit 143."""
+    _terminated.set()
+    signal.raise_signal(signal.SIGINT)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``akv`` command.
 
@@ -166,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         (one line on stderr; with ``--debug`` also the traceback), 2 bad
         input (options, trace, files, a run that could do nothing, an output
         or the --log-json file that could not be written), 130 interrupted,
-        141 stdout closed early (no message).
+        143 terminated (SIGTERM, handled while ``main`` runs in the main
+        thread), 141 stdout closed early (no message).
 
     Raises:
         SystemExit: From argparse (exit 2) on a bad option, or for ``--help``.
@@ -176,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     if clash := _same_file(args):  # before the log file is opened: it would truncate the other one
         print(f"akv {args.command}: error: {clash}", file=sys.stderr)
         return 2
+    _terminated.clear()
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         _configure_logging(args)
         code = _run_command(args)
@@ -193,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exception(exc)
         print(line, file=sys.stderr)
         return code
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 #: Path arguments of every command, by argparse ``dest``, with the name an error gives them.
@@ -245,7 +264,7 @@ def _exit_for(exc: BaseException, *, debug: bool, prog: str) -> tuple[int, str]:
     if isinstance(exc, AkvError):
         return 2, f"{prog}: error: {exc}"
     if isinstance(exc, KeyboardInterrupt):
-        return 130, f"{prog}: interrupted"
+        return (143, f"{prog}: terminated") if _terminated.is_set() else (130, f"{prog}: interrupted")
     hint = "" if debug else " (run with --debug for the traceback)"
     return 1, f"{prog}: error: unexpected {_describe(exc)}{hint}"
 

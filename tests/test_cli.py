@@ -479,3 +479,31 @@ def test_copy_thread_keeps_the_tier_copies_out_of_a_child_process(
     argv = ["replay", "--limit", "20", "--num-blocks", "256", "--host-blocks", "512", "--no-progress"]
     assert main([*argv, "--copy-thread"] if copy_thread else argv) == 0
     assert len(started) == (0 if copy_thread else 1)
+
+
+def test_sigterm_unwinds_the_replay_as_ctrl_c_does_and_exits_143(tmp_path: Path) -> None:
+    # SIGTERM killed `akv replay` with no message and left the copy child to notice on its own.
+    from akv.trace import shared_trace_path
+
+    trace = shared_trace_path("mooncake_conversation.jsonl")
+    if trace is None:
+        pytest.skip("the conversation trace is not in ../shared/traces")
+    log = tmp_path / "log.jsonl"
+    argv = [sys.executable, "-m", "akv.cli", "replay", str(trace), "--num-blocks", "8000", "--host-blocks", "20000"]
+    argv += ["--no-progress", "--log-json", str(log), "--json", str(tmp_path / "report.json")]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):  # a hang guard only: started within 60 s
+            if log.exists() and "sequence.added" in log.read_text():
+                break
+            if proc.poll() is not None:
+                pytest.fail(f"the replay ended before it was signalled: {proc.communicate()}")
+            subprocess.run(["sleep", "0.1"], check=True)
+        proc.terminate()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, (out, err)
+    assert err.strip().splitlines()[-1] == "akv replay: terminated"
+    assert "Traceback" not in err
+    assert '"manager.stopped"' in log.read_text()  # the manager was left as on Ctrl-C
