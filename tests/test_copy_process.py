@@ -238,9 +238,29 @@ def test_a_child_stopped_after_close_is_killed_once_the_stall_timeout_passes() -
     started = time.monotonic()
     executor.close(timeout_s=30)
     assert time.monotonic() - started < 10
-    with pytest.raises(ActorCrashed, match=r"gave no answer for 0\.5 s after close"):
+    with pytest.raises(ActorCrashed, match=r"gave no answer for 0\.5 s and was killed"):
         ticket.wait(timeout_s=1)
     assert len(failures) == 1 and not alive(pid)
+
+
+def test_a_child_stopped_while_batches_wait_is_killed_and_its_batches_fail() -> None:
+    # A stopped child hung every waiter of its copies (a replay's step, a runner) until the
+    # manager was left; now its batches fail once stall_timeout_s passes without an answer.
+    executor, failures = watched_executor(stall_timeout_s=0.5)
+    executor.start()
+    executor.submit_tiers(d2h_src_ids=[1], d2h_dst_slots=[0]).wait(timeout_s=30)  # the child is ready
+    pid = executor._process.pid
+    time.sleep(1.0)  # idle longer than the timeout: nothing is owed, nothing is killed
+    assert alive(pid)
+    executor.submit_tiers(d2h_src_ids=[3], d2h_dst_slots=[2]).wait(timeout_s=30)
+    os.kill(pid, signal.SIGSTOP)
+    ticket = executor.submit_tiers(d2h_src_ids=[2], d2h_dst_slots=[1])
+    with pytest.raises(ActorCrashed, match=r"gave no answer for 0\.5 s and was killed, 1 batches unanswered"):
+        ticket.wait(timeout_s=30)
+    assert len(failures) == 1 and not alive(pid)
+    with pytest.raises(ActorCrashed):
+        executor.submit_tiers(d2h_src_ids=[4], d2h_dst_slots=[3])
+    executor.close(timeout_s=30)
 
 
 def test_a_drained_close_gives_back_the_pipes_and_reaps_the_child() -> None:

@@ -7,9 +7,11 @@ reads the child's answers (:meth:`CopyProcess.completions`), settles each
 ticket in order, and returns once the child has exited, with the tickets it
 never answered and why it ended.
 
-A child that stops answering after :meth:`ProcessLane.close` (stopped with
-``SIGSTOP``, wedged in the kernel) is killed once ``stall_timeout_s`` passes
-without an answer: a manager's exit waits for its copies, but not forever.
+A child that stops answering (stopped with ``SIGSTOP``, wedged in the
+kernel) is killed once ``stall_timeout_s`` passes without an answer while
+batches wait for it, or after :meth:`ProcessLane.close`: its batches then
+fail (and the manager with them) instead of every waiter hanging, and a
+manager's exit waits for its copies, but not forever.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ class ProcessLane:
 
     Args:
         process: The started child.
-        stall_timeout_s: After :meth:`close`, seconds without an answer
-            before the child is killed (its unanswered batches then fail).
+        stall_timeout_s: Seconds without an answer, while batches are in
+            flight or after :meth:`close`, before the child is killed (its
+            unanswered batches then fail).
     """
 
     def __init__(self, process: CopyProcess, stall_timeout_s: float) -> None:
@@ -43,6 +46,7 @@ class ProcessLane:
         self.stall_timeout_s = stall_timeout_s
         self._closed_at = 0.0  # monotonic seconds of the first close()
         self._inflight: deque[CopyTicket] = deque()
+        self._busy_since = 0.0  # monotonic seconds when the batches in flight began to wait (none before)
         self._drain_lock = threading.Lock()  # the final drain against a failed send taking its ticket back
 
     def send(self, ticket: CopyTicket, batch: TierBatch) -> None:
@@ -53,6 +57,8 @@ class ProcessLane:
                 nothing is in flight for this ticket (the reader, ending at
                 the same time, may have failed it already).
         """
+        if not self._inflight:
+            self._busy_since = time.monotonic()
         self._inflight.append(ticket)
         try:
             self.process.send(ticket.seq_no, batch)
@@ -89,8 +95,8 @@ class ProcessLane:
             now = time.monotonic()
             if answers:
                 last_answer = now
-            elif self._closed_at and not stalled and now - max(last_answer, self._closed_at) > self.stall_timeout_s:
-                stalled = True  # stopped or wedged after close: do not hold the exit forever
+            elif not stalled and now - max(last_answer, self._waiting_since()) > self.stall_timeout_s:
+                stalled = True  # stopped or wedged: fail its batches rather than hang their waiters (or the exit)
                 process.kill()
             for seq_no, message in answers:
                 ticket = self._inflight.popleft()
@@ -104,12 +110,21 @@ class ProcessLane:
         error = None
         if stalled:
             error = RuntimeError(
-                f"copy process gave no answer for {self.stall_timeout_s} s after close and was killed, "
+                f"copy process gave no answer for {self.stall_timeout_s} s and was killed, "
                 f"{len(unanswered)} batches unanswered"
             )
         elif unanswered or not self._closed_at:  # killed, or died: no copy runs from here on
             error = RuntimeError(f"the copy process {exit_text}, {len(unanswered)} batches unanswered")
         return unanswered, error
+
+    def _waiting_since(self) -> float:
+        """Monotonic seconds since an answer is owed (batches in flight, or a close); ``inf`` when none is."""
+        owed = []
+        if self._inflight:
+            owed.append(self._busy_since)
+        if self._closed_at:
+            owed.append(self._closed_at)
+        return min(owed, default=float("inf"))
 
     def __repr__(self) -> str:
         return f"ProcessLane({self.process!r}, in_flight={len(self._inflight)})"

@@ -79,10 +79,11 @@ class CopyExecutor(CopySubmission):
             pools are in shared memory with a host tier and the child can be
             started (else on the worker thread, and :attr:`process_unavailable`
             says why); ``False``: on the worker thread.
-        stall_timeout_s: After :meth:`close`, seconds the copy process may go
-            without answering before it is killed (a stopped or wedged child
-            must not hold the manager's exit forever); its unanswered
-            batches then fail with :class:`~akv.errors.ActorCrashed`.
+        stall_timeout_s: Seconds the copy process may go without answering
+            while batches wait for it, or after :meth:`close`, before it is
+            killed (a stopped or wedged child must not hang the copies'
+            waiters or the manager's exit); its unanswered batches then fail
+            with :class:`~akv.errors.ActorCrashed`, and the executor breaks.
 
     Raises:
         InvalidInput: ``process=True`` without CPU pools in shared memory
