@@ -1,5 +1,6 @@
 """Trace replay: a continuous-batching scheduler that drives a KVCacheManager with a real trace."""
 
-from akv.replay.scheduler import ReplayOptions, ReplayReport, replay
+from akv.replay.options import ReplayOptions, ReplayReport
+from akv.replay.scheduler import replay
 
 __all__ = ["ReplayOptions", "ReplayReport", "replay"]

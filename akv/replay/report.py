@@ -12,7 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from akv.config import KVCacheConfig
-from akv.replay.scheduler import ReplayReport
+from akv.replay.options import ReplayReport
 
 
 @contextmanager
