@@ -113,7 +113,7 @@ async def replay(
     synthesized: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # tokens of waiting requests
     frees: list[str] = []
     preempted: list[str] = []
-    tried: set[int] = set()  # requests ever sent to the manager: freed if the replay ends early
+    pending: list[tuple[int, np.ndarray | None, _Running]] = []  # admissions of the step in progress
     stalled: set[int] = set()  # requests refused admission once while none of the replay's sequences ran
     lone_preempted: set[int] = set()  # requests preempted once as the only running sequence
     commits: dict[str, int] = {}
@@ -138,7 +138,7 @@ async def replay(
                 continue
 
             admits: list[Admit] = []
-            pending: list[tuple[int, np.ndarray | None, _Running]] = []
+            pending = []
             budget = options.max_prefill_tokens
             slots = options.max_batch - len(running)
             # Free plus evictable blocks (a gauge): a head request that cannot fit is
@@ -173,7 +173,6 @@ async def replay(
                 if resume is not None:
                     r.generated = len(resume)
                 admits.append(Admit(seq_id=seq_id, prompt=tokens, prefill_done=True, resumed=resume is not None))
-                tried.add(index)
                 pending.append((index, resume, r))
                 budget -= len(tokens)
                 slots -= 1
@@ -293,7 +292,7 @@ async def replay(
                 progress(done, len(requests))
                 next_progress = time.perf_counter() + 1.0
     except BaseException:  # cancelled or failed: leave no sequence of the replay behind in the manager
-        await _free_requests(kv, tried)
+        await _free_sequences(kv, [*running, *frees, *preempted, *(r.seq_id for _, _, r in pending)])
         raise
 
     if options.timeline_every_steps and report.decode_steps > sampled_step:  # the last step, so a short run has two
@@ -372,9 +371,9 @@ async def _held_by_others(kv: KVCacheManager, index: int, stalled: set[int]) -> 
     return False
 
 
-async def _free_requests(kv: KVCacheManager, indices: set[int]) -> None:
-    """Free the sequences of ``indices`` (shielded; unknown ones are skipped; nothing if the manager is down)."""
-    if not indices:
+async def _free_sequences(kv: KVCacheManager, seq_ids: list[str]) -> None:
+    """Free the replay's ``seq_ids`` (shielded; unknown ones are skipped; nothing if the manager is down)."""
+    if not seq_ids:
         return
     with anyio.CancelScope(shield=True), contextlib.suppress(ActorCrashed, ManagerClosed):
-        await kv.step(frees=[f"r{i}" for i in sorted(indices)], want_metadata=False)
+        await kv.step(frees=list(dict.fromkeys(seq_ids)), want_metadata=False)
