@@ -63,8 +63,15 @@ def _row_dtype(row_bytes: int) -> np.dtype:
 
 
 def _pool_rows(pool: dict[str, int]) -> list[np.ndarray]:
-    """Per-layer ``(2, rows, row)`` views of one pool's shared memory."""
-    mapping = mmap.mmap(pool["fd"], pool["nbytes"], flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    """Per-layer ``(2, rows, row)`` views of one pool's shared memory.
+
+    Mapped with ``MAP_POPULATE``: the parent committed the pages
+    (:func:`akv.storage.shared_memory.commit_pages`), so this only fills the
+    child's page tables up front (about 0.05 s per GiB), instead of one page
+    fault per 4 KiB page in the middle of the copies.
+    """
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    mapping = mmap.mmap(pool["fd"], pool["nbytes"], flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     dtype = _row_dtype(pool["row_bytes"])
     per_row = pool["row_bytes"] // dtype.itemsize
     count = 2 * pool["rows"] * per_row

@@ -85,8 +85,9 @@ class HostKVStorage:
     Attributes:
         kv_caches: One tensor per layer,
             ``(2, num_blocks, block_size, num_kv_heads, head_dim)``, K then
-            V, on the CPU, contiguous, uninitialised (a slot is read only after a
-            copy wrote it, and pages never touched cost no memory).
+            V, on the CPU, contiguous, zero-filled and committed when the
+            pool is created (memory is allocated then, not page by page
+            during the copies).
         pinned: Whether the tensors are page-locked.
 
     Raises:
@@ -143,11 +144,12 @@ class HostKVStorage:
         self.arena = SharedArena(nbytes, "akv-host-pool") if shared_memory else None
         try:
             # each: (2, num_blocks, block_size, num_kv_heads, head_dim), K then V; no null block
-            # uninitialised: a slot is only read after a copy wrote it, and untouched pages cost no memory
+            # committed now, zero-filled (the arena too: commit_pages), as the device pool is: a
+            # preallocated pool whose pages are not allocated one fault at a time during the copies
             self.kv_caches: list[torch.Tensor] = (
                 self.arena.tensors(num_layers, shape, dtype)
                 if self.arena is not None
-                else [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
+                else [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
             )
             if cuda_device is not None:
                 _register(self.kv_caches, torch.device(cuda_device))
