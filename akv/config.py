@@ -194,7 +194,9 @@ class KVCacheConfig:
             of hit rate (docs/benchmarks.md, "Eviction quality"). See
             :meth:`watermark_blocks`.
         eviction_batch_blocks: Blocks evicted per eviction batch (one log line
-            and one ``Evict`` message to the shard per batch).
+            and one ``Evict`` message to the shard per batch). A shard with a
+            host tier evicts each pass's whole deficit (up to the high
+            watermark's blocks) in one batch, since each is a copy batch.
         inbox_capacity: Bound of every actor's inbox (messages).
         debug_invariants: Check block-state conservation after every message
             (cheap counters) and raise on violation; for tests and stress runs.

@@ -298,6 +298,32 @@ async def test_eviction_loop_relieves_pressure_in_batches(tiny_config, monkeypat
     assert [e["blocks"] for e in batches] == [2, 2, 1]
 
 
+async def test_with_a_host_tier_a_pass_demotes_its_whole_deficit_in_one_batch(tiny_config, monkeypatch) -> None:
+    """The same pressure as above with a host tier and batches of 2: one batch of 5 demotions, one copy batch."""
+    passes = EvictionPasses(monkeypatch)
+    prompts = [[100 * i + j for j in range(9)] for i in range(6)]
+    with anyio.fail_after(60), structlog.testing.capture_logs() as logs:
+        cfg = tiny_config(
+            num_blocks=16, low_watermark=0.25, high_watermark=0.5, eviction_batch_blocks=2, host_blocks=32
+        )
+        async with KVCacheManager(cfg) as kv:
+            for i in range(5):
+                await kv.step(admits=[Admit(seq_id=f"s{i}", prompt=prompts[i], prefill_done=True)])
+                await kv.free(f"s{i}")
+            await kv.step(admits=[Admit(seq_id="s5", prompt=prompts[5], prefill_done=True)])  # 3 free: below 4
+            await passes.wait_for(lambda done: len(done) >= 1)  # held demotions are free once copied
+            await kv.wait_copies()
+            stats = await kv.stats()
+            assert (stats.eviction_loop_batches, stats.eviction_loop_blocks, stats.demoted_blocks) == (1, 5, 5)
+            assert [await kv.lookup(p) for p in prompts] == [8, 8, 8, 8, 8, 8]  # demoted ones hit on the host
+            await kv.free("s5")
+            await kv.check()
+    batches = [e for e in logs if e["event"] == "eviction.batch"]
+    assert [e["blocks"] for e in batches] == [5]
+    copies = [e for e in logs if e["event"] == "tier.copy"]
+    assert [e["to_host_blocks"] for e in copies] == [5]
+
+
 def test_watermark_blocks_cap_the_headroom_and_scale_the_low_mark() -> None:
     cfg = KVCacheConfig(num_blocks=770_048, storage="none", low_watermark=0.02, high_watermark=0.05)
     assert cfg.watermark_blocks(40_000) == (800.0, 2000)  # under the cap: the fractions

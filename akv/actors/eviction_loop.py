@@ -7,7 +7,10 @@ unreserved free blocks: those that reservations earmark are taken, see
 the low watermark; the loop reads nothing else of a shard. The loop then asks that shard to
 evict cached leaves (first in the eviction policy's order) in batches of
 ``eviction_batch_blocks`` until its free blocks reach the high watermark or
-nothing is left to evict, logging one ``eviction.batch`` line per batch. Both
+nothing is left to evict, logging one ``eviction.batch`` line per batch. A
+shard with a host tier gets its whole deficit in one batch: its evictions are
+demotions, and each batch is then one copy batch (one pipe write, ticket and
+settlement). Both
 watermarks are fractions of the shard, the high one capped in blocks
 (:meth:`~akv.config.KVCacheConfig.watermark_blocks`).
 It asks only the shards (which ask nobody), so no ask cycle exists.
@@ -97,7 +100,9 @@ class EvictionLoop:
         high = shard.high_free_blocks
         # Blocks being demoted to a host tier are free once their copy completed: count them as free already.
         while not self._stopping and (free := shard.snapshot.num_free + shard.snapshot.demoting) < high:
-            want = min(self.batch_blocks, high - free)
+            # With a host tier each batch is a copy batch (a ticket, a settlement, a pipe write):
+            # the whole deficit goes in one, however small batch_blocks is.
+            want = high - free if shard.demotes else min(self.batch_blocks, high - free)
             before = 1.0 - shard.snapshot.free_fraction
             with self.tracer.span("akv.evict_batch") as span:
                 t0 = time.perf_counter()

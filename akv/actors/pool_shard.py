@@ -114,6 +114,8 @@ class PoolShardActor(ShardCopies, Actor):
         self.low_free_blocks = watermarks[0]
         #: Free blocks the eviction loop refills to.
         self.high_free_blocks = watermarks[1]
+        #: Whether evicted blocks are demoted to a host tier (each eviction batch is then a copy batch).
+        self.demotes = state.host is not None
         self.wake_eviction = wake_eviction
         self.debug_invariants = debug_invariants
         self.copy_bytes = copy_bytes
