@@ -506,3 +506,34 @@ def test_a_long_hit_leaves_the_slru_segments_at_once() -> None:
     pool.decref(hit[::-1], distinct=True)
     assert pool.eviction_order() == ids[100:][::-1] + hit[::-1]  # never hit first, then the hit ones
     pool.check()
+
+
+@pytest.mark.parametrize("policy", ["lru", "slru"])
+def test_publish_in_flight_pins_allocated_blocks_until_their_copy_ran(policy: str) -> None:
+    pool = BlockPool(range(BASE, BASE + N), policy=policy)
+    ids = pool.allocate(3)
+    off = pool.publish_in_flight(ids, np.array([2, 0, 1]))
+    assert off.tolist() == [0, 1, 2]
+    assert pool.counts() == counts(free=5, in_flight=3)
+    assert [pool.state(b) for b in ids] == [IN_FLIGHT] * 3
+    assert all(pool.is_published(b) and pool.is_pinned(b) and pool.refcount(b) == 0 for b in ids)
+    assert pool.evict_begin(8) == []  # neither evictable nor free while the copy is pending
+    pool.check()
+    assert pool.unpin_copied(ids) == ids
+    assert pool.counts() == counts(free=5, cached=3)
+    if policy == "slru":
+        assert [pool.num_hits(b) for b in ids] == [2, 0, 1]
+        assert pool.eviction_order() == [ids[1], ids[0], ids[2]]  # blocks with hits in the protected segment
+    else:
+        assert pool.eviction_order() == ids
+    pool.check()
+
+
+def test_publish_in_flight_refuses_a_block_not_referenced_once_and_changes_nothing(pool: BlockPool) -> None:
+    ids = pool.allocate(3)
+    pool.incref([ids[1]])
+    with pytest.raises(ValueError, match=f"block {ids[1]} with refcount 2"):
+        pool.publish_in_flight(ids)
+    assert pool.counts() == counts(free=5, active=3)
+    assert not any(pool.is_published(b) or pool.is_pinned(b) for b in ids)
+    pool.check()

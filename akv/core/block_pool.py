@@ -409,6 +409,43 @@ class BlockPool(BlockRefs):
         self.total_refs -= len(block_ids)
         self._release_many(off.tolist())
 
+    def publish_in_flight(self, block_ids: list[int], num_hits: np.ndarray | None = None) -> np.ndarray:
+        """Allocated blocks (refcount 1, held by no table) become published copy destinations, in flight.
+
+        :meth:`mark_published`, the hit counts, :meth:`pin_for_copy` and
+        :meth:`decref` in one pass (a demotion's new host blocks, until their
+        copy ran): each is pinned once, unreferenced and in flight; the copy's
+        :meth:`unpin_copied` puts it in the eviction order.
+
+        Args:
+            block_ids: Distinct blocks from :meth:`allocate` or :meth:`evict_reuse`.
+            num_hits: int ``(len(block_ids),)`` hit counts to give them, or None.
+
+        Returns:
+            Their offsets in this pool (intp), for the caller's own arrays.
+
+        Raises:
+            ValueError: A block is not referenced exactly once (nothing is applied then).
+        """
+        off = np.array(block_ids, dtype=np.intp) - self.first_block_id
+        if not len(off):
+            return off
+        if (self._refcount[off] != 1).any():
+            b = block_ids[int(np.argmax(self._refcount[off] != 1))]
+            raise ValueError(f"publish_in_flight of block {b} with refcount {self.refcount(b)}, not 1")
+        self._published[off] = True
+        if num_hits is not None and self._keyed is not None:
+            self._keyed.hits[off] = num_hits
+        self._pins[off] += 1
+        self._refcount[off] = 0
+        self._state[off] = IN_FLIGHT
+        k = len(off)
+        self.total_pins += k
+        self.total_refs -= k
+        self._counts[ACTIVE] -= k
+        self._counts[IN_FLIGHT] += k
+        return off
+
     @property
     def counts_hits(self) -> bool:
         """Whether the policy counts prefix hits per block (every policy but plain LRU)."""

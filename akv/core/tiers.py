@@ -324,9 +324,7 @@ class ShardTiers:
             pool.evict_finish(moved)
             host.cache_allocated(new, hits)  # cached on the host now
         else:
-            host.mark_published(new)
-            if hits is not None:
-                host.set_num_hits(new, hits.tolist())
+            host.publish_in_flight(new, hits)  # matchable only once the copy ran (``unready``)
             t = self._transfer(out)
             if held:
                 pool.evict_hold(moved)
@@ -336,8 +334,6 @@ class ShardTiers:
                 pool.evict_finish(moved)
                 t.released += moved
                 self.released.update(dict.fromkeys(moved, out.transfer))
-            host.pin_for_copy(new)
-            host.decref(new, distinct=True)  # in flight until the copy ran
             t.host_pins += new
             t.unready += new
             self.unready.update(new)
