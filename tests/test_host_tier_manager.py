@@ -462,3 +462,42 @@ async def test_a_full_host_tier_refuses_a_swap_out_naming_the_host(tiny_config) 
 def test_a_host_gib_below_one_block_is_refused() -> None:
     with pytest.raises(InvalidInput, match="less than one block"):
         KVCacheConfig(num_blocks=64, block_size=4, host_gib=1e-9)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("copy_process", [True, False])
+async def test_a_batch_that_finishes_while_the_shard_is_idle_is_settled_with_no_message(
+    tiny_config, monkeypatch: pytest.MonkeyPatch, copy_process: bool
+) -> None:
+    """A held demotion's device blocks are free, and its host blocks matchable, once its copy ran: the
+    shard settles the batch when the copy thread reports it, not at its next message (a step's)."""
+    from akv.actors.pool_shard import PoolShardActor
+
+    finished = anyio.Event()
+    real = PoolShardActor._copy_finished
+
+    def recorded(actor: PoolShardActor) -> None:
+        real(actor)
+        finished.set()
+
+    monkeypatch.setattr(PoolShardActor, "_copy_finished", recorded)
+    cfg = tiny_config(num_blocks=8, host_blocks=16, low_watermark=0.0, high_watermark=0.0, copy_process=copy_process)
+    async with KVCacheManager(cfg) as kv:
+        (shard,) = kv._shards  # reaching in on purpose: the published snapshot, read with no message
+        gate = _hold_copies(kv)
+        try:
+            await admit(kv, "a", prompt(0, blocks=3))
+            await kv.free("a")
+            assert await kv.evict(3) == 3  # held: in flight until their copy ran
+            handled = shard.messages_handled
+            before = shard.snapshot
+            assert (before.num_free, before.demoting) == (5, 3)
+        finally:
+            gate.set()
+        with anyio.fail_after(30):  # a hang guard, not a timing check
+            await finished.wait()
+        after = shard.snapshot
+        assert (after.num_free, after.demoting) == (8, 0)
+        assert shard.messages_handled == handled + 1  # the settling, served by the shard itself
+        assert await kv.lookup(prompt(0, blocks=3)) == 3 * BS  # on the host, matchable
+        await kv.check()

@@ -169,6 +169,15 @@ class Stats:
 
 
 @dataclass(frozen=True, slots=True)
+class SettleCopies:
+    """Settle the copy batches that finished (what every message does first) and publish the snapshot; reply None.
+
+    Served by the shard itself, on the event loop, when a batch finishes while
+    it is idle (:meth:`~akv.actors.shard_copies.ShardCopies._copy_finished`).
+    """
+
+
+@dataclass(frozen=True, slots=True)
 class PendingCopies:
     """Reply the copy tickets of the shard's batches not settled yet (steps', evictions', swaps'), oldest first."""
 

@@ -50,6 +50,7 @@ from akv.actors.messages import (
     PendingCopies,
     Retire,
     Room,
+    SettleCopies,
     Stats,
     Step,
     SwapIn,
@@ -212,7 +213,7 @@ class PoolShardActor(ShardCopies, Actor):
             result = msg.apply(self.state)
             if self.events is not None and isinstance(msg, ImportPublish):  # a load's blocks entered the cache
                 self.sink.emit(self.events.loaded(msg.block_ids))
-        elif not isinstance(msg, Stats):
+        elif not isinstance(msg, (Stats, SettleCopies)):
             raise TypeError(f"{self.name}: unknown message {type(msg).__name__}")
         self._after()
         return self.snapshot if isinstance(msg, Stats) else result

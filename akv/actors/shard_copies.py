@@ -5,10 +5,11 @@ promotions and swaps of :mod:`akv.core.tiers` and :mod:`akv.core.swap`) go to
 the stream worker as one batch, in three phases: device to host, device to
 device, host to device (:meth:`ShardCopies._submit_copies`). Until the batch
 has run, its copy-on-write blocks stay pinned and its tier transfer stays
-open; the first message after it finished releases them
-(:meth:`ShardCopies._settle_copies`), so the state the shard publishes never
+open. When it finishes, the shard settles it (releases them,
+:meth:`ShardCopies._settle_copies`) on the event loop at once if it is idle,
+else at the first message queued; so the state the shard publishes never
 runs ahead of the copies (nor do its cache events: a failed held demotion's
-return to the device is published there). Its done callback wakes the tasks waiting for room.
+return to the device is published there), and the tasks waiting for room are woken.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import anyio
 import numpy as np
 
+from akv.actors.messages import SettleCopies
 from akv.core.step import StepOutcome
 from akv.errors import AkvError
 from akv.storage.copy_ticket import loop_scheduler
@@ -39,6 +41,7 @@ class ShardCopies:
         """
         if self._room_event is None:
             self._room_event = anyio.Event()
+        if self._schedule is None:
             self._schedule = loop_scheduler()  # the waiters' loop, for wake-ups from the copy thread
         return self._room_event
 
@@ -75,6 +78,9 @@ class ShardCopies:
                 blocks = len(src) + to_host + to_device
                 span.set_attributes({"akv.shard": state.shard_index, "akv.blocks": blocks, "akv.bytes": nbytes})
         self._pinned.append((ticket, src + dst, outcome.transfer))
+        if self._schedule is None:
+            with contextlib.suppress(RuntimeError):  # no event loop (a bare handler): the next message settles
+                self._schedule = loop_scheduler()  # this loop, for the settling once the copy thread is done
         ticket.add_done_callback(self._copy_done)
         if self.copy_bytes is not None:
             self.copy_bytes.observe(nbytes)
@@ -106,21 +112,34 @@ class ShardCopies:
         return None
 
     def _copy_done(self, ticket: Any) -> None:
-        """Done callback of a copy batch: wake the tasks waiting for room, if any.
+        """Done callback of a copy batch: have the event loop settle it (:meth:`_copy_finished`).
 
-        Runs on the stream worker's thread (an anyio worker thread), or on
-        this one when the batch was done at once. Releasing the batch's pins
-        is left to the next message (:meth:`_settle_copies`), which is the
-        woken waiter's :class:`Room` ask. A waiter that takes the event after
-        this read finds the batch done at its own ask: no wake-up is lost.
+        Runs on the copy worker's thread (or the copy process's reader
+        thread), or on this one when the batch was done at once: the message
+        being served, or the next one, settles it then (:meth:`_settle_copies`),
+        and the tasks waiting for room are woken now. A waiter that takes the
+        event after this read finds the batch done at its own ask: no wake-up
+        is lost.
         """
-        if self._room_event is None:
-            return
         if threading.get_ident() == self._thread_id:
             self._wake_room()
             return
-        with contextlib.suppress(RuntimeError):  # the loop has ended: nobody is left to wake
-            self._schedule(self._wake_room)  # non-blocking: the copy thread never waits on the loop
+        if self._schedule is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has ended: nothing is left to settle
+                self._schedule(self._copy_finished)  # non-blocking: the copy thread never waits on the loop
+
+    def _copy_finished(self) -> None:
+        """On the event loop, after a batch finished: settle it now if the shard is idle, then wake the room waiters.
+
+        Settling when the copies end, rather than at the next message, takes
+        it off the next step's path (a runner's loop is idle while its
+        forward pass runs) and releases the pins and held blocks sooner. A
+        shard with messages queued settles at the first of them, as before.
+        """
+        if self._pinned and self.can_serve_now:
+            with contextlib.suppress(AkvError):  # ActorCrashed: the shard stopped and the manager was told
+                self.serve(SettleCopies())
+        self._wake_room()
 
     def _settle_copies(self) -> None:
         """Release the pins and transfers of the copy batches that have finished (in submission order).
