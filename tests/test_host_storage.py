@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -204,4 +206,20 @@ def test_a_host_pool_larger_than_the_machine_is_invalid_input_before_allocating(
     shape = ModelShape(name="x", num_layers=4, num_kv_heads=8, head_dim=128, dtype="float32")
     blocks = physical // shape.bytes_per_block(1) + 1
     with pytest.raises(InvalidInput, match="more than this machine"):
+        KVStorage.from_config(KVCacheConfig(num_blocks=5, block_size=1, model=shape, host_blocks=blocks))
+
+
+def test_a_host_pool_larger_than_the_memory_available_now_is_invalid_input_before_allocating() -> None:
+    from akv.storage.host_pool import available_memory
+
+    available = available_memory()
+    if available is None:
+        pytest.skip("no MemAvailable in /proc/meminfo")
+    shape = ModelShape(name="x", num_layers=4, num_kv_heads=8, head_dim=128, dtype="float32")
+    per_block = shape.bytes_per_block(1)
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    blocks = (available + physical) // 2 // per_block  # halfway between what is available and the machine
+    if not available + 64 * 2**20 < blocks * per_block < physical:
+        pytest.skip("available memory is within 128 MiB of the machine's here")
+    with pytest.raises(InvalidInput, match="available now"):
         KVStorage.from_config(KVCacheConfig(num_blocks=5, block_size=1, model=shape, host_blocks=blocks))

@@ -66,6 +66,22 @@ def _unregister(tensors: list[torch.Tensor]) -> None:
         cudart.cudaHostUnregister(tensor.data_ptr())
 
 
+def available_memory() -> int | None:
+    """Bytes of memory the kernel estimates it can give now without swapping (``MemAvailable`` of ``/proc/meminfo``).
+
+    ``None`` where ``/proc/meminfo`` has no such line (not Linux, or a kernel
+    before 3.14): the physical-memory check alone applies then.
+    """
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 class HostKVStorage:
     """The host tier's preallocated K/V tensors, addressed by host slot.
 
@@ -93,7 +109,8 @@ class HostKVStorage:
     Raises:
         InvalidInput: A size is not a positive int, the dtype is bad, CUDA is
             not available for ``cuda_device``, the pool is larger than the
-            machine's physical memory, or the tensors cannot be allocated or
+            machine's physical memory or than the memory available now (it is
+            committed at once), or the tensors cannot be allocated or
             page-locked (the message gives the GiB).
     """
 
@@ -137,6 +154,13 @@ class HostKVStorage:
             raise InvalidInput(
                 f"cannot allocate the host KV pool ({nbytes / 2**30:,.2f} GiB of {kind}): "
                 f"more than this machine's {physical / 2**30:,.1f} GiB of memory"
+            )
+        available = available_memory()
+        if available is not None and nbytes > available:
+            # committed at once (below): past what the kernel can give now, the OOM killer answers, not an error
+            raise InvalidInput(
+                f"cannot allocate the host KV pool ({nbytes / 2**30:,.2f} GiB of {kind}): "
+                f"more than the {available / 2**30:,.1f} GiB of memory available now (MemAvailable)"
             )
         if shared_memory and (self.pinned or not shared_memory_available()):
             raise InvalidInput("a host pool in shared memory must be a CPU pool on Linux (not pinned)")
