@@ -26,8 +26,9 @@ heap, O(log n) per block entering the order or evicted) that offers the same
 mapping operations, so the per-block code paths are shared and LRU pays
 nothing for the choice.
 
-Refcount transitions and copy pins are in :mod:`akv.core.block_refs`; this
-module keeps the free queue, allocation, published flags and eviction steps.
+Refcount transitions and copy pins are in :mod:`akv.core.block_refs`, the
+transitions of blocks moving between tiers in :mod:`akv.core.block_moves`;
+this module keeps the free queue, allocation, published flags and eviction steps.
 
 The eviction order is kept here, beside the refcounts, because a block enters
 it exactly when its refcount drops to zero and leaves it exactly when a hit
@@ -42,6 +43,7 @@ from collections.abc import Collection, Iterable
 
 import numpy as np
 
+from akv.core.block_moves import BlockMoves
 from akv.core.block_refs import ACTIVE, CACHED, FREE, IN_FLIGHT, STATE_NAMES, BlockRefs
 from akv.core.eviction_policy import (
     DEFAULT_EVICTION_POLICY,
@@ -56,7 +58,7 @@ from akv.core.segmented_order import SegmentedOrder
 __all__ = ["ACTIVE", "CACHED", "FREE", "IN_FLIGHT", "STATE_NAMES", "BlockPool"]
 
 
-class BlockPool(BlockRefs):
+class BlockPool(BlockRefs, BlockMoves):
     """Blocks ``block_ids`` (a contiguous range) of one shard.
 
     Args:
@@ -347,104 +349,6 @@ class BlockPool(BlockRefs):
         self._counts[IN_FLIGHT] -= k
         self._counts[FREE] += k
         self.blocks_freed += k
-
-    def evict_hold(self, block_ids: list[int]) -> None:
-        """Blocks taken by :meth:`evict_begin` left the prefix cache but a pending copy still reads them.
-
-        They stay in flight, unpublished and pinned (:meth:`pin_for_copy`),
-        and become free at :meth:`unpin_copied` (or cached again if they are
-        published again before it: a failed demotion put back).
-
-        Raises:
-            ValueError: A block is not being evicted (nothing is applied then).
-        """
-        if not block_ids:
-            return
-        idx = np.array(block_ids, dtype=np.intp) - self.first_block_id
-        s = self._state[idx]
-        if (s != IN_FLIGHT).any() or self._pins[idx].any():
-            b = block_ids[int(np.argmax(s != IN_FLIGHT))]
-            raise ValueError(f"evict_hold of block {b} in state {STATE_NAMES[self.state(b)]} or already pinned")
-        self._published[idx] = False
-        self.pin_for_copy(block_ids)
-
-    def evict_reuse(self, block_ids: list[int]) -> None:
-        """Blocks taken by :meth:`evict_begin` left the prefix cache and are taken again at once, as :meth:`allocate` takes them.
-
-        Each is referenced once (refcount 1), unpublished, its hit count
-        reset, without passing through the free queue: one pass where
-        :meth:`evict_finish` and :meth:`allocate` take two. The caller checked
-        they are in flight (taken by ``evict_begin`` and removed).
-        """
-        if not block_ids:
-            return
-        idx = np.array(block_ids, dtype=np.intp) - self.first_block_id
-        self._published[idx] = False
-        self._state[idx] = ACTIVE
-        self._refcount[idx] = 1
-        if self._keyed is not None:
-            self._keyed.reset(idx)
-        k = len(block_ids)
-        self._counts[IN_FLIGHT] -= k
-        self._counts[ACTIVE] += k
-        self.total_refs += k
-
-    def cache_allocated(self, block_ids: list[int], num_hits: np.ndarray | None = None) -> None:
-        """Allocated blocks (refcount 1, held by no table) enter the prefix cache at once, in order.
-
-        :meth:`mark_published`, the hit counts and :meth:`decref` in one pass
-        (a demotion's new host blocks).
-
-        Args:
-            block_ids: Distinct blocks from :meth:`allocate` or :meth:`evict_reuse`.
-            num_hits: int ``(len(block_ids),)`` hit counts to give them, or None.
-        """
-        if not block_ids:
-            return
-        off = np.array(block_ids, dtype=np.intp) - self.first_block_id
-        self._published[off] = True
-        if num_hits is not None and self._keyed is not None:
-            self._keyed.hits[off] = num_hits
-        self._refcount[off] = 0
-        self.total_refs -= len(block_ids)
-        self._release_many(off.tolist())
-
-    def publish_in_flight(self, block_ids: list[int], num_hits: np.ndarray | None = None) -> np.ndarray:
-        """Allocated blocks (refcount 1, held by no table) become published copy destinations, in flight.
-
-        :meth:`mark_published`, the hit counts, :meth:`pin_for_copy` and
-        :meth:`decref` in one pass (a demotion's new host blocks, until their
-        copy ran): each is pinned once, unreferenced and in flight; the copy's
-        :meth:`unpin_copied` puts it in the eviction order.
-
-        Args:
-            block_ids: Distinct blocks from :meth:`allocate` or :meth:`evict_reuse`.
-            num_hits: int ``(len(block_ids),)`` hit counts to give them, or None.
-
-        Returns:
-            Their offsets in this pool (intp), for the caller's own arrays.
-
-        Raises:
-            ValueError: A block is not referenced exactly once (nothing is applied then).
-        """
-        off = np.array(block_ids, dtype=np.intp) - self.first_block_id
-        if not len(off):
-            return off
-        if (self._refcount[off] != 1).any():
-            b = block_ids[int(np.argmax(self._refcount[off] != 1))]
-            raise ValueError(f"publish_in_flight of block {b} with refcount {self.refcount(b)}, not 1")
-        self._published[off] = True
-        if num_hits is not None and self._keyed is not None:
-            self._keyed.hits[off] = num_hits
-        self._pins[off] += 1
-        self._refcount[off] = 0
-        self._state[off] = IN_FLIGHT
-        k = len(off)
-        self.total_pins += k
-        self.total_refs -= k
-        self._counts[ACTIVE] -= k
-        self._counts[IN_FLIGHT] += k
-        return off
 
     @property
     def counts_hits(self) -> bool:
