@@ -467,6 +467,27 @@ def test_slru_pop_first_matches_one_entry_at_a_time(ops) -> None:
         slow.check()
 
 
+def test_slru_pop_first_crosses_long_stale_runs_as_one_entry_at_a_time_would() -> None:
+    # Runs of stale and skipped entries longer than a numpy slice, a few blocks wanted at a time:
+    # the slices read past what is wanted and consume only up to the last block taken.
+    pools = [BlockPool(range(BASE, BASE + 3000), policy="slru") for _ in range(2)]
+    for p in pools:
+        ids = p.allocate(2500)
+        p.mark_published(ids)
+        p.decref(list(reversed(ids)), distinct=True)
+        p.incref(ids[1100:2300])  # referenced again: 1,200 stale entries in the middle of the lane
+    pools[1]._keyed.__class__ = OneAtATime
+    assert pools[0]._keyed._stale == 1200
+    skip = set(range(BASE + 40, BASE + 1100, 7))
+    for want in (1, 3, 250, 700):
+        taken = [p.evict_begin(want, skip) for p in pools]
+        assert taken[0] == taken[1] and len(taken[0]) == want
+        assert pools[0]._keyed._lanes == pools[1]._keyed._lanes and pools[0]._keyed._heads == pools[1]._keyed._heads
+        for p in pools:
+            p.evict_finish(taken[0])
+            p.check()
+
+
 # ------------------------------------------------------------------ leaf safety in a shard
 BS = 4
 TRUNKS = ([1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9, 8, 8, 8, 8])

@@ -17,6 +17,10 @@ from akv.core.eviction_policy import EVICTION_POLICIES, HitCounts
 __all__ = ["SegmentedOrder"]
 
 
+#: Fewest lane entries :meth:`SegmentedOrder.pop_first` reads per numpy slice.
+_MIN_SLICE = 256
+
+
 class SegmentedOrder(HitCounts):
     """Cached blocks in :func:`~akv.core.eviction_policy.slru_key` order with O(1) operations: one FIFO per segment.
 
@@ -204,18 +208,25 @@ class SegmentedOrder(HitCounts):
             h = heads[li]
             kept: list[np.ndarray] = []
             while taken < max_blocks and h < len(lane):
-                chunk = np.frombuffer(lane[h : h + max_blocks - taken], dtype=np.int64)
-                h += len(chunk)
+                want = max_blocks - taken
+                # At least _MIN_SLICE entries a slice: a long run of stale (or skipped) entries is
+                # crossed in a few numpy calls, not one per wanted block.
+                chunk = np.frombuffer(lane[h : h + max(want, _MIN_SLICE)], dtype=np.int64)
                 off = chunk & mask
                 live = stamp[off] == chunk
-                if np.count_nonzero(live) < len(live):
-                    chunk, off = chunk[live], off[live]
-                    stale += len(live) - len(off)
+                take = live if held is None else live & ~held[off]
+                at = np.flatnonzero(take)
+                end = (
+                    len(chunk) if len(at) < want else int(at[want - 1]) + 1
+                )  # entries consumed: up to the last one taken
+                at = at[:want]
+                stale += end - int(np.count_nonzero(live[:end]))
                 if held is not None:
-                    keep = held[off]
+                    keep = live[:end] & held[off[:end]]
                     if np.count_nonzero(keep):
-                        kept.append(chunk[keep])
-                        off = off[~keep]
+                        kept.append(chunk[:end][keep])
+                h += end
+                off = off[at]
                 stamp[off] = 0
                 parts.append(off)
                 taken += len(off)
