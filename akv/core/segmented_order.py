@@ -21,6 +21,34 @@ __all__ = ["SegmentedOrder"]
 _MIN_SLICE = 256
 
 
+def _slice_take(
+    chunk: np.ndarray, off: np.ndarray, live: np.ndarray, held: np.ndarray | None, want: int
+) -> tuple[int, np.ndarray, int, np.ndarray | None]:
+    """What :meth:`SegmentedOrder.pop_first` takes from one slice of a lane, entries consumed in order.
+
+    Args:
+        chunk: int64 lane entries; ``off`` their pool offsets; ``live`` whether
+            each is current (not stale); ``held`` the skip mask over offsets, or None.
+        want: Blocks still wanted (>= 1).
+
+    Returns:
+        ``(end, taken, stale, kept)``: the entries consumed (up to the last one
+        taken, or all), the offsets taken (at most ``want``), the stale entries
+        among the consumed, and the consumed live entries to skip (to go back
+        before the head), or None.
+    """
+    take = live if held is None else live & ~held[off]
+    at = np.flatnonzero(take)
+    end = len(chunk) if len(at) < want else int(at[want - 1]) + 1
+    stale = end - int(np.count_nonzero(live[:end]))
+    kept = None
+    if held is not None:
+        keep = live[:end] & held[off[:end]]
+        if np.count_nonzero(keep):
+            kept = chunk[:end][keep]
+    return end, off[at[:want]], stale, kept
+
+
 class SegmentedOrder(HitCounts):
     """Cached blocks in :func:`~akv.core.eviction_policy.slru_key` order with O(1) operations: one FIFO per segment.
 
@@ -207,26 +235,22 @@ class SegmentedOrder(HitCounts):
         for li, lane in enumerate(self._lanes):
             h = heads[li]
             kept: list[np.ndarray] = []
+            size = 0  # the first slice: what is wanted
             while taken < max_blocks and h < len(lane):
                 want = max_blocks - taken
-                # At least _MIN_SLICE entries a slice: a long run of stale (or skipped) entries is
-                # crossed in a few numpy calls, not one per wanted block.
-                chunk = np.frombuffer(lane[h : h + max(want, _MIN_SLICE)], dtype=np.int64)
+                # Later slices at least _MIN_SLICE entries: a long run of stale (or skipped) entries
+                # is crossed in a few numpy calls, not one per wanted block.
+                size = max(want, _MIN_SLICE) if size else want
+                chunk = np.frombuffer(lane[h : h + size], dtype=np.int64)
                 off = chunk & mask
                 live = stamp[off] == chunk
-                take = live if held is None else live & ~held[off]
-                at = np.flatnonzero(take)
-                end = (
-                    len(chunk) if len(at) < want else int(at[want - 1]) + 1
-                )  # entries consumed: up to the last one taken
-                at = at[:want]
-                stale += end - int(np.count_nonzero(live[:end]))
-                if held is not None:
-                    keep = live[:end] & held[off[:end]]
-                    if np.count_nonzero(keep):
-                        kept.append(chunk[:end][keep])
+                end = len(chunk)
+                if held is not None or end > want or np.count_nonzero(live) < end:  # else all live, all wanted
+                    end, off, dropped, keep = _slice_take(chunk, off, live, held, want)
+                    stale += dropped
+                    if keep is not None:
+                        kept.append(keep)
                 h += end
-                off = off[at]
                 stamp[off] = 0
                 parts.append(off)
                 taken += len(off)
