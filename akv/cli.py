@@ -162,8 +162,15 @@ _terminated = threading.Event()  # SIGTERM reached the command while it ran
 
 
 def _terminate(signum: int, frame: object) -> None:
-    """SIGTERM: unwind as on Ctrl-C (asyncio's runner cancels the main task; else KeyboardInterrupt), exit 143."""
+    """SIGTERM: unwind as on Ctrl-C (asyncio's runner cancels the main task; else KeyboardInterrupt), exit 143.
+
+    A process that ignores SIGINT (a background job of a non-interactive
+    shell) would not see a SIGINT raised here: the handler raises
+    KeyboardInterrupt itself then.
+    """
     _terminated.set()
+    if not callable(signal.getsignal(signal.SIGINT)):
+        raise KeyboardInterrupt
     signal.raise_signal(signal.SIGINT)
 
 

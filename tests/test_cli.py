@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -481,8 +482,10 @@ def test_copy_thread_keeps_the_tier_copies_out_of_a_child_process(
     assert len(started) == (0 if copy_thread else 1)
 
 
-def test_sigterm_unwinds_the_replay_as_ctrl_c_does_and_exits_143(tmp_path: Path) -> None:
-    # SIGTERM killed `akv replay` with no message and left the copy child to notice on its own.
+@pytest.mark.parametrize("sigint_ignored", [False, True])
+def test_sigterm_unwinds_the_replay_as_ctrl_c_does_and_exits_143(tmp_path: Path, sigint_ignored: bool) -> None:
+    # SIGTERM killed `akv replay` with no message and left the copy child to notice on its own; and
+    # where SIGINT is ignored (a background job of a non-interactive shell) it was ignored too, exit 0.
     from akv.trace import shared_trace_path
 
     trace = shared_trace_path("mooncake_conversation.jsonl")
@@ -491,7 +494,8 @@ def test_sigterm_unwinds_the_replay_as_ctrl_c_does_and_exits_143(tmp_path: Path)
     log = tmp_path / "log.jsonl"
     argv = [sys.executable, "-m", "akv.cli", "replay", str(trace), "--num-blocks", "8000", "--host-blocks", "20000"]
     argv += ["--no-progress", "--log-json", str(log), "--json", str(tmp_path / "report.json")]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ignore)
     try:
         for _ in range(600):  # a hang guard only: started within 60 s
             if log.exists() and "sequence.added" in log.read_text():
