@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import signal
 
 import pytest
 import torch
@@ -49,7 +50,7 @@ def test_without_populate_advice_the_pages_are_zero_filled_instead(monkeypatch: 
     # An advice number no kernel knows: madvise answers EINVAL, as a kernel
     # older than 5.14 does for MADV_POPULATE_WRITE, and the fallback writes zeros.
     monkeypatch.setattr(shared_memory, "MADV_POPULATE_WRITE", 0x7FFF)
-    monkeypatch.setattr(shared_memory, "_FILL_BYTES", 3 * MIB)
+    monkeypatch.setattr(shared_memory, "COMMIT_BYTES", 3 * MIB)
     arena = SharedArena(7 * MIB + 5, "akv-test-fill")
     assert allocated_bytes(arena.fd) >= 7 * MIB + 5
     (t,) = arena.tensors(1, (7 * MIB + 5,), torch.uint8)
@@ -64,3 +65,42 @@ def test_the_child_maps_committed_pools_with_populated_page_tables() -> None:
     t[1, 1, 5] = 42
     rows = copy_child._pool_rows({"fd": arena.fd, "nbytes": arena.nbytes, "layers": 1, "rows": 2, "row_bytes": MIB})
     assert int(rows[0][1, 1, 5]) == 42
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_a_signal_during_the_commit_is_handled_between_chunks_and_leaves_nothing_open(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A pool of many GiB used to be committed in one madvise call: a Ctrl-C or SIGTERM waited
+    # until the whole allocation was done (18 s for 8 GiB on the 2-core VM).
+    monkeypatch.setattr(shared_memory, "COMMIT_BYTES", 8 * MIB)
+    name = "akv-test-interrupted"
+    seen: list[int] = []
+
+    def ours() -> list[int]:
+        fds = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                if name in os.readlink(f"/proc/self/fd/{fd}"):
+                    fds.append(int(fd))
+            except OSError:
+                pass
+        return fds
+
+    def handler(signum: int, frame: object) -> None:
+        seen.extend(allocated_bytes(fd) for fd in ours())
+        raise _Interrupted
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.02)
+        with pytest.raises(_Interrupted):
+            SharedArena(2**30, name)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert seen and max(seen) < 2**30  # handled while the arena was still being committed (fd and mmap dup)
+    assert ours() == []  # its memfd closed

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from akv.errors import InvalidInput
-from akv.storage.shared_memory import SharedArena, shared_memory_available
+from akv.storage.shared_memory import COMMIT_BYTES, SharedArena, shared_memory_available
 from akv.storage.tensor_args import check_range, index_tensor, raw_bytes
 
 if TYPE_CHECKING:
@@ -64,6 +64,19 @@ def _unregister(tensors: list[torch.Tensor]) -> None:
     cudart = torch.cuda.cudart()
     for tensor in tensors:
         cudart.cudaHostUnregister(tensor.data_ptr())
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.zeros(shape, dtype=dtype)`` on the CPU, written :data:`COMMIT_BYTES` at a time.
+
+    Between chunks the interpreter runs signal handlers: Ctrl-C or SIGTERM
+    while a large pool is being allocated is handled at once, not after it.
+    """
+    t = torch.empty(shape, dtype=dtype)
+    raw = t.view(-1).view(torch.uint8)
+    for start in range(0, raw.numel(), COMMIT_BYTES):
+        raw[start : start + COMMIT_BYTES].zero_()
+    return t
 
 
 def available_memory() -> int | None:
@@ -173,7 +186,7 @@ class HostKVStorage:
             self.kv_caches: list[torch.Tensor] = (
                 self.arena.tensors(num_layers, shape, dtype)
                 if self.arena is not None
-                else [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+                else [_zeros(shape, dtype) for _ in range(num_layers)]
             )
             if cuda_device is not None:
                 _register(self.kv_caches, torch.device(cuda_device))

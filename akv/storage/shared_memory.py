@@ -40,34 +40,45 @@ def shared_memory_available() -> bool:
 #: module passes the number through but names it only from 3.13 on.
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
-#: Bytes zero-filled per call where the kernel lacks ``MADV_POPULATE_WRITE``.
-_FILL_BYTES = 64 * 2**20
+#: Bytes committed per call: between calls the interpreter runs signal handlers, so Ctrl-C or a
+#: supervisor's SIGTERM during a large pool's allocation is handled within a fraction of a second.
+COMMIT_BYTES = 64 * 2**20
 
 
 def commit_pages(mapping: mmap.mmap) -> None:
     """Allocate every page of a fresh shared mapping now (zero-filled), as ``torch.zeros`` does for a private pool.
 
-    One ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14 and later); on an older
-    kernel (``EINVAL``) the mapping is written with zeros instead, which on a
-    fresh ``memfd`` is the same content. Costs what allocating the memory
-    costs (about 1.6 s per GiB on the 2-core reference VM, as ``torch.zeros``),
-    once, where the copies would otherwise take a page fault per 4 KiB page.
+    ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14 and later) over
+    :data:`COMMIT_BYTES` at a time; on an older kernel (``EINVAL``) the
+    mapping is written with zeros instead, which on a fresh ``memfd`` is the
+    same content. Costs what allocating the memory costs (about 1.6 s per GiB
+    on the 2-core reference VM, as ``torch.zeros``), once, where the copies
+    would otherwise take a page fault per 4 KiB page.
 
     Raises:
         OSError: The kernel could not allocate the pages (``ENOMEM``, or
             ``EFAULT`` past a ``memfd`` size limit).
+        BaseException: Whatever a signal handler raised between two calls
+            (``KeyboardInterrupt``); the pages committed so far stay so.
     """
-    try:
-        mapping.madvise(MADV_POPULATE_WRITE)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        view = memoryview(mapping)
-        zeros = bytes(min(_FILL_BYTES, len(view)))
-        for start in range(0, len(view), len(zeros)):
-            end = min(start + len(zeros), len(view))
-            view[start:end] = zeros[: end - start]
-        view.release()
+    size, step = len(mapping), COMMIT_BYTES
+    populate = True
+    start = 0
+    while start < size:
+        length = min(step, size - start)
+        if populate:
+            try:
+                mapping.madvise(MADV_POPULATE_WRITE, start, length)
+            except InterruptedError:
+                continue  # a signal arrived: its handler has run; the same range again
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or start:
+                    raise
+                populate = False  # no such advice on this kernel: write the zeros
+                continue
+        else:
+            mapping[start : start + length] = bytes(length)
+        start += length
 
 
 class SharedArena:
@@ -103,10 +114,14 @@ class SharedArena:
             raise InvalidInput(f"cannot map {nbytes / 2**30:,.2f} GiB of shared memory for {name}: {exc}") from None
         try:
             commit_pages(self._map)
-        except OSError as exc:
+        except BaseException as exc:  # also an interrupt between two chunks: nothing is left open
             self._map.close()
             os.close(fd)
-            raise InvalidInput(f"cannot commit {nbytes / 2**30:,.2f} GiB of shared memory for {name}: {exc}") from None
+            if isinstance(exc, OSError):
+                raise InvalidInput(
+                    f"cannot commit {nbytes / 2**30:,.2f} GiB of shared memory for {name}: {exc}"
+                ) from None
+            raise
         self.fd = fd
         self.nbytes = nbytes
         weakref.finalize(self, os.close, fd)
