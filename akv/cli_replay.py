@@ -185,8 +185,13 @@ def _replay_config(args: argparse.Namespace) -> KVCacheConfig:
     else:
         num_blocks = 32_768 if storage != "none" or args.model == "tiny" else int(64 * 2**30 // block_bytes)
     host_blocks = args.host_blocks if args.host_gib is None else int(args.host_gib * 2**30 // block_bytes)
-    if not 0 <= host_blocks <= MAX_NUM_BLOCKS:
-        raise UsageError(f"--host-gib {args.host_gib:g} holds {host_blocks:,} blocks; at most {MAX_NUM_BLOCKS:,}")
+    if args.host_gib is not None and not 1 <= host_blocks <= MAX_NUM_BLOCKS:
+        raise UsageError(
+            f"--host-gib {args.host_gib:g} holds {host_blocks:,} blocks of {block_bytes:,} bytes; "
+            f"it must hold 1 to {MAX_NUM_BLOCKS:,}"
+        )
+    if args.copy_thread and (storage == "none" or not host_blocks):
+        raise UsageError("--copy-thread needs a host tier with tensors (--host-blocks or --host-gib, not --storage none)")
     if host_blocks and host_blocks < args.shards:
         raise UsageError(f"a host tier of {host_blocks:,} blocks cannot be split over {args.shards:,} shards")
     if storage != "none":

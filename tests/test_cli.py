@@ -136,6 +136,22 @@ def test_bad_option_exits_2_at_parse_time(argv: list[str], capsys) -> None:
     _no_traceback(captured)
 
 
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [
+        (["--host-gib", "1e-9"], "--host-gib"),  # ran with no host tier, exit 0, as the library refuses it
+        (["--copy-thread", "--storage", "none", "--host-blocks", "64"], "--copy-thread"),
+        (["--copy-thread"], "--copy-thread"),  # no host tier: no copies to move to a thread
+    ],
+)
+def test_host_tier_options_that_would_do_nothing_exit_2(restore_logging, capsys, args: list[str], names: str) -> None:
+    assert main(["replay", "--limit", "1", *FAST, *args]) == 2
+    captured = capsys.readouterr()
+    assert names in captured.err
+    assert captured.err.startswith("akv replay: error: ")
+    _no_traceback(captured)
+
+
 def test_pool_gib_too_small_for_one_block_exits_2(restore_logging, capsys) -> None:
     assert main(["replay", "--limit", "1", "--pool-gib", "1e-9", *FAST]) == 2
     captured = capsys.readouterr()
