@@ -77,6 +77,7 @@ def _configure_logging(args: argparse.Namespace) -> None:
             level=getattr(args, "log_level", "warning"),
             json_path=getattr(args, "log_json", None),
             json_level=getattr(args, "log_json_level", "debug"),
+            tracebacks=getattr(args, "debug", False),
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None

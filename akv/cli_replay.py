@@ -191,7 +191,9 @@ def _replay_config(args: argparse.Namespace) -> KVCacheConfig:
             f"it must hold 1 to {MAX_NUM_BLOCKS:,}"
         )
     if args.copy_thread and (storage == "none" or not host_blocks):
-        raise UsageError("--copy-thread needs a host tier with tensors (--host-blocks or --host-gib, not --storage none)")
+        raise UsageError(
+            "--copy-thread needs a host tier with tensors (--host-blocks or --host-gib, not --storage none)"
+        )
     if host_blocks and host_blocks < args.shards:
         raise UsageError(f"a host tier of {host_blocks:,} blocks cannot be split over {args.shards:,} shards")
     if storage != "none":

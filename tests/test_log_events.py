@@ -77,3 +77,32 @@ def test_a_level_configured_after_import_silences_snapshot_and_copy_logs(tmp_pat
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     assert (tmp_path / "snap" / "CURRENT").exists()
     assert "snapshot.saved" not in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("tracebacks", [False, True])
+def test_an_exception_on_the_console_is_one_line_unless_tracebacks_are_asked_for(tmp_path, tracebacks: bool) -> None:
+    # A crashed copy process printed 700-1,600 lines on `akv replay`'s console (a rich traceback with
+    # every frame's locals, block arrays included) where the README promises one line without --debug.
+    import json
+    import subprocess
+    import sys
+
+    script = (
+        "import structlog, akv.obs\n"
+        f"akv.obs.configure_logging(level='warning', tracebacks={tracebacks}, json_path={str(tmp_path / 'log.jsonl')!r})\n"
+        "blocks = list(range(5000))\n"
+        "try:\n"
+        "    raise RuntimeError('copy failed')\n"
+        "except RuntimeError as exc:\n"
+        "    structlog.get_logger('akv').error('actor.crashed', actor='pool_shard_0', exc_info=exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    lines = out.stderr.strip().splitlines()
+    assert "actor.crashed" in lines[0] and lines[-1] == "RuntimeError: copy failed"
+    assert "4999" not in out.stderr  # never the frames' locals
+    if tracebacks:
+        assert "Traceback" in out.stderr
+    else:
+        assert len(lines) == 2
+    (event,) = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert event["exception"][0]["exc_type"] == "RuntimeError"  # the file keeps the whole traceback

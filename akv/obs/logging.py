@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import sys
+import traceback
 from pathlib import Path
+from typing import Any, TextIO
 
 import structlog
 
@@ -64,12 +66,18 @@ def log_file_error() -> tuple[str, OSError] | None:
     return None
 
 
+def _exception_line(sio: TextIO, exc_info: Any) -> None:
+    """Console exception formatter without the traceback: ``Type: message`` on the line after the event."""
+    sio.write("\n" + "".join(traceback.format_exception_only(exc_info[0], exc_info[1])).rstrip())
+
+
 def configure_logging(
     *,
     level: str = "info",
     json: bool = False,
     json_path: Path | str | None = None,
     json_level: str = "info",
+    tracebacks: bool = True,
 ) -> None:
     """Route structlog events through stdlib logging to stderr and optionally a JSON-lines file.
 
@@ -88,6 +96,10 @@ def configure_logging(
             one line per batch of work; ``debug`` adds the per-sequence
             events); ignored without ``json_path``. A write to it that fails
             prints nothing: :func:`log_file_error` reports it.
+        tracebacks: Print an event's exception on the console with its
+            traceback (without the frames' local variables: they hold whole
+            block arrays); ``False``: its last line only (``akv`` without
+            ``--debug``). The JSON file always gets the whole traceback.
 
     Raises:
         ValueError: Unknown level name.
@@ -114,8 +126,16 @@ def configure_logging(
     root.propagate = False
     console = logging.StreamHandler(sys.stderr)
     console.setLevel(console_level)
+    if not tracebacks:
+        formatter = _exception_line
+    elif sys.stderr.isatty():
+        formatter = structlog.dev.RichTracebackFormatter(show_locals=False)
+    else:
+        formatter = structlog.dev.plain_traceback
     renderer = (
-        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        structlog.processors.JSONRenderer()
+        if json
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(), exception_formatter=formatter)
     )
     console.setFormatter(
         structlog.stdlib.ProcessorFormatter(
