@@ -348,6 +348,25 @@ def test_a_child_that_never_gets_ready_is_killed_and_the_thread_copies(tmp_path,
     copies_one_batch_exactly(executor, storage)
 
 
+def test_a_wrapper_that_never_gets_ready_is_killed_with_what_it_started(tmp_path, monkeypatch) -> None:
+    # An executable that is a wrapper script running its program without exec: killing only the
+    # wrapper left the program behind, holding the caller's stdout open (found by the fresh-user review).
+    pidfile = tmp_path / "grandchild.pid"
+    program = f"#!/bin/sh\nsleep 60 &\necho $! > {pidfile}\nwait\n"
+    monkeypatch.setattr(sys, "executable", write_program(tmp_path / "python", program))
+    storage = shared_storage()
+    executor = CopyExecutor(storage)
+    assert executor.wait_process_ready(timeout_s=1.0) is False
+    assert "not ready after 1 s" in executor.process_unavailable
+    grandchild = int(pidfile.read_text())
+    for _ in range(100):  # a hang guard only: SIGKILL is delivered at once
+        if not alive(grandchild):
+            break
+        time.sleep(0.05)
+    assert not alive(grandchild)
+    copies_one_batch_exactly(executor, storage)
+
+
 def test_wait_process_ready_comes_before_the_first_batch() -> None:
     executor = CopyExecutor(shared_storage())
     assert executor.wait_process_ready() is True

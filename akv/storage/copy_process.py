@@ -38,6 +38,7 @@ import fcntl
 import json
 import os
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -297,10 +298,19 @@ class CopyProcess:
         self._finalizer()
 
     def kill(self) -> None:
-        """Stop the child now (``SIGKILL``); its pending batches are not run."""
+        """Stop the child now (``SIGKILL`` to its process group); its pending batches are not run.
+
+        The child leads a session of its own, so the group is its own and
+        whatever it started: an executable that is a wrapper script which
+        runs Python without ``exec`` leaves no process behind. Only while the
+        child is not reaped (its id cannot have been reused).
+        """
         self.close_input()
-        with contextlib.suppress(ProcessLookupError):
-            self._proc.kill()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if self._proc.returncode is None:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            else:
+                self._proc.kill()
 
     def wait(self, timeout_s: float | None = None) -> int | None:
         """Reap the child; its exit status, or ``None`` if it is still running after ``timeout_s``."""
