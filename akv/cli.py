@@ -206,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         _check_log_file()
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
         return code
-    except SystemExit:
+    except SystemExit as exc:
+        if isinstance(exc.__context__, BrokenPipeError):  # rich's console exits 1 on a closed stdout
+            return 141
         raise
     except BaseException as exc:  # the one place that turns any error into one line and an exit code
         if _innermost(exc).__class__ is BrokenPipeError:

@@ -420,12 +420,20 @@ def test_inspect_unknown_sequence_exits_2(tmp_path: Path, capsys) -> None:
     assert "no event names sequence 'r99999'" in capsys.readouterr().err
 
 
-def test_closed_stdout_exits_141_quietly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("command", ["inspect", "replay", "stress"])
+def test_closed_stdout_exits_141_quietly(tmp_path: Path, command: str) -> None:
+    # `akv replay | true` and `akv stress | true` exited 1 (rich's console on a broken pipe), which
+    # for stress means "a check failed" (found by the fresh-user review).
     log = tmp_path / "log.jsonl"
     log.write_text("".join(json.dumps({"event": f"e{i}", "level": "info"}) + "\n" for i in range(2000)))
+    args = {
+        "inspect": [str(log)],
+        "replay": ["--limit", "20", *FAST],
+        "stress": ["--duration-s", "1", "--sequences", "4", "--no-progress"],
+    }[command]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     child = subprocess.Popen(
-        [sys.executable, "-m", "akv.cli", "inspect", str(log)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        [sys.executable, "-m", "akv.cli", command, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
     )
     child.stdout.close()  # like `| head -1` that has already exited
     _, err = child.communicate(timeout=120)
