@@ -30,13 +30,22 @@ class InvalidTokens(InvalidInput):
 
 
 class UnknownSequence(AkvError, KeyError):
-    """The sequence id was never added or has already been freed."""
+    """The sequence id was never added or has already been freed (or is not live: swapped out).
 
-    def __init__(self, seq_id: object) -> None:
+    Args:
+        seq_id: The id.
+        state: What it is instead, for the message (e.g. ``"swapped out"``);
+            ``None``: unknown or finished.
+    """
+
+    def __init__(self, seq_id: object, state: str | None = None) -> None:
         super().__init__(seq_id)
         self.seq_id = seq_id
+        self.state = state
 
     def __str__(self) -> str:
+        if self.state is not None:
+            return f"sequence {self.seq_id!r} is {self.state}"
         return f"unknown or finished sequence {self.seq_id!r}"
 
 

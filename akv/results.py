@@ -89,7 +89,8 @@ class StepResult:
             step: one per row), or its whole table when the runner may not
             hold it (a sequence admitted or forked since it was last
             scheduled with metadata, or one a step changed without metadata).
-            Entries are grouped by row, in row order, columns ascending.: int32 ``(batch,)``: tokens per sequence including this
+            Entries are grouped by row, in row order, columns ascending.
+        context_lens: int32 ``(batch,)``: tokens per sequence including this
             step's new ones.
         query_start_loc: int32 ``(batch + 1,)``: row ``i``'s new tokens are
             ``slot_mapping[query_start_loc[i]:query_start_loc[i+1]]``.

@@ -123,6 +123,8 @@ async def test_swap_refusals_and_bad_input_change_nothing(tiny_config) -> None:
             await kv.swap_in("nobody")
         await admit(kv, "a", prompt(1, blocks=3))
         await kv.swap_out("a")
+        with pytest.raises(UnknownSequence, match="'a' is swapped out already"):  # was "unknown or finished"
+            await kv.swap_out("a")
         await admit(kv, "b", prompt(2, blocks=5))  # 6 blocks: no room left for "a"'s 4
         before = await kv.stats()
         with pytest.raises(PoolExhausted):

@@ -83,6 +83,8 @@ class ShardSwaps:
                 host blocks); nothing is swapped (cached host blocks
                 dropped for room stay dropped).
         """
+        if seq_id in self.swapped:
+            raise UnknownSequence(seq_id, "swapped out already (swap it in first)")
         seq = self.get(seq_id)
         host = self.host
         if host is None:
