@@ -20,8 +20,10 @@ safe.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import anyio
@@ -58,6 +60,7 @@ from akv.obs.metrics import ManagerMetrics, MetricsSnapshot
 from akv.obs.tracing import AkvTracer
 from akv.results import StepResult
 from akv.storage import KVStorage
+from akv.storage.shared_memory import stoppable
 
 __all__ = ["Admit", "KVCacheManager"]
 
@@ -119,7 +122,16 @@ class KVCacheManager(SequenceCalls, ManagerQueries, ManagerEvents, ManagerSnapsh
             raise ManagerClosed("a KVCacheManager can only be entered once; create a new one")
         cfg = self.config
         self._tracer = AkvTracer(self._tracer_provider)  # picks up a global provider set since __init__
-        self.storage = KVStorage.from_config(cfg)
+        # On a worker thread: allocating GiBs of pools takes seconds; a cancelled entry (Ctrl-C,
+        # SIGTERM, a timeout) returns at once and the thread stops within a chunk.
+        stop = threading.Event()
+        try:
+            self.storage = await anyio.to_thread.run_sync(
+                stoppable(partial(KVStorage.from_config, cfg), stop), abandon_on_cancel=True
+            )
+        except BaseException:
+            stop.set()
+            raise
         self._executor = await start_executor(self.storage, self.log)
         self._executor.on_failure = self._on_copy_failure
         self._eviction = EvictionLoop(

@@ -10,6 +10,7 @@ import mmap
 import os
 import signal
 
+import anyio
 import pytest
 import torch
 
@@ -104,3 +105,35 @@ def test_a_signal_during_the_commit_is_handled_between_chunks_and_leaves_nothing
         signal.signal(signal.SIGALRM, previous)
     assert seen and max(seen) < 2**30  # handled while the arena was still being committed (fd and mmap dup)
     assert ours() == []  # its memfd closed
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_entry_stops_allocating_its_pools_between_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The pools are committed at entry (GiBs take seconds): on the event loop, a Ctrl-C or SIGTERM
+    # waited until the whole allocation was done. They are allocated on a worker thread now; a
+    # cancelled entry returns at once and the thread stops within a chunk.
+    import threading
+
+    from akv import KVCacheConfig, KVCacheManager
+
+    chunks: list[int] = []
+    stopped = threading.Event()
+    real = shared_memory.interrupt_point
+
+    def counted() -> None:
+        chunks.append(1)
+        try:
+            real()
+        except shared_memory.AllocationStopped:
+            stopped.set()
+            raise
+
+    monkeypatch.setattr(shared_memory, "interrupt_point", counted)
+    monkeypatch.setattr(shared_memory, "COMMIT_BYTES", 4 * MIB)
+    config = KVCacheConfig(num_blocks=64, host_gib=1.0)  # 256 chunks of the host arena
+    with anyio.move_on_after(0.05) as scope:
+        async with KVCacheManager(config):
+            pytest.fail("entered: the allocation was not stopped")
+    assert scope.cancelled_caught
+    assert await anyio.to_thread.run_sync(stopped.wait, 30)  # a hang guard: the thread gave up
+    assert 0 < len(chunks) < 256

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from akv.errors import InvalidInput
-from akv.storage.shared_memory import COMMIT_BYTES, SharedArena, shared_memory_available
+from akv.storage.shared_memory import COMMIT_BYTES, SharedArena, interrupt_point, shared_memory_available
 from akv.storage.tensor_args import check_range, index_tensor, raw_bytes
 
 if TYPE_CHECKING:
@@ -75,6 +75,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     t = torch.empty(shape, dtype=dtype)
     raw = t.view(-1).view(torch.uint8)
     for start in range(0, raw.numel(), COMMIT_BYTES):
+        interrupt_point()
         raw[start : start + COMMIT_BYTES].zero_()
     return t
 

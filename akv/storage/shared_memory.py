@@ -23,11 +23,16 @@ import math
 import mmap
 import os
 import sys
+import threading
 import weakref
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from akv.errors import InvalidInput
+
+T = TypeVar("T")
 
 
 def shared_memory_available() -> bool:
@@ -45,6 +50,43 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 COMMIT_BYTES = 64 * 2**20
 
 
+class AllocationStopped(Exception):
+    """An allocation was stopped between two chunks (:func:`stoppable`): its caller gave up waiting for it."""
+
+
+_thread = threading.local()
+
+
+def stoppable(fn: Callable[[], T], stop: threading.Event) -> Callable[[], T]:
+    """``fn`` wrapped so that the allocations it makes on this thread stop between chunks once ``stop`` is set.
+
+    The manager allocates its pools on a worker thread it can abandon (a
+    cancelled entry: Ctrl-C, SIGTERM, a timeout) and then sets ``stop``: the
+    thread ends within one chunk (:data:`COMMIT_BYTES`), releasing what it
+    allocated, instead of committing GiBs nobody will use.
+    """
+
+    def run() -> T:
+        _thread.stop = stop
+        try:
+            return fn()
+        finally:
+            _thread.stop = None
+
+    return run
+
+
+def interrupt_point() -> None:
+    """Between two chunks of an allocation: stop if this thread's allocation was given up (:func:`stoppable`).
+
+    Raises:
+        AllocationStopped: It was.
+    """
+    stop = getattr(_thread, "stop", None)
+    if stop is not None and stop.is_set():
+        raise AllocationStopped("the pools' allocation was stopped: its caller gave up waiting for it")
+
+
 def commit_pages(mapping: mmap.mmap) -> None:
     """Allocate every page of a fresh shared mapping now (zero-filled), as ``torch.zeros`` does for a private pool.
 
@@ -59,12 +101,14 @@ def commit_pages(mapping: mmap.mmap) -> None:
         OSError: The kernel could not allocate the pages (``ENOMEM``, or
             ``EFAULT`` past a ``memfd`` size limit).
         BaseException: Whatever a signal handler raised between two calls
-            (``KeyboardInterrupt``); the pages committed so far stay so.
+            (``KeyboardInterrupt``), or :class:`AllocationStopped`
+            (:func:`interrupt_point`).
     """
     size, step = len(mapping), COMMIT_BYTES
     populate = True
     start = 0
     while start < size:
+        interrupt_point()
         length = min(step, size - start)
         if populate:
             try:
