@@ -12,6 +12,7 @@ down as on Ctrl-C, saving its snapshot if asked to), 141 stdout closed early
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ import traceback
 from pathlib import Path
 
 from akv.argtypes import UsageError, input_path, png_path
+from akv.cli_signals import on_sigterm, terminated
 from akv.errors import ActorCrashed, AkvError
 
 
@@ -159,22 +161,6 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-_terminated = threading.Event()  # SIGTERM reached the command while it ran
-
-
-def _terminate(signum: int, frame: object) -> None:
-    """SIGTERM: unwind as on Ctrl-C (asyncio's runner cancels the main task; else KeyboardInterrupt), exit 143.
-
-    A process that ignores SIGINT (a background job of a non-interactive
-    shell) would not see a SIGINT raised here: the handler raises
-    KeyboardInterrupt itself then.
-    """
-    _terminated.set()
-    if not callable(signal.getsignal(signal.SIGINT)):
-        raise KeyboardInterrupt
-    signal.raise_signal(signal.SIGINT)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``akv`` command.
 
@@ -197,9 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     if clash := _same_file(args):  # before the log file is opened: it would truncate the other one
         print(f"akv {args.command}: error: {clash}", file=sys.stderr)
         return 2
-    _terminated.clear()
+    terminated.clear()
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
     try:
         _configure_logging(args)
         code = _run_command(args)
@@ -273,8 +259,10 @@ def _exit_for(exc: BaseException, *, debug: bool, prog: str) -> tuple[int, str]:
         return 1, f"{prog}: internal error, the manager failed: {exc}"
     if isinstance(exc, AkvError):
         return 2, f"{prog}: error: {exc}"
-    if isinstance(exc, KeyboardInterrupt):
-        return (143, f"{prog}: terminated") if _terminated.is_set() else (130, f"{prog}: interrupted")
+    if isinstance(exc, KeyboardInterrupt) or (
+        terminated.is_set() and isinstance(_innermost(exc), asyncio.CancelledError)
+    ):
+        return (143, f"{prog}: terminated") if terminated.is_set() else (130, f"{prog}: interrupted")
     hint = "" if debug else " (run with --debug for the traceback)"
     return 1, f"{prog}: error: unexpected {_describe(exc)}{hint}"
 

@@ -17,9 +17,8 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
-import anyio
-
 from akv.argtypes import UsageError, float_range, input_path, int_range, log_level, output_path, png_path, write_output
+from akv.cli_signals import run_async
 from akv.config import MODEL_SHAPES, KVCacheConfig, model_shape
 from akv.trace import MAX_REQUEST_TOKENS, TraceRequest
 
@@ -355,7 +354,7 @@ def main_replay(args: argparse.Namespace) -> int:
             return report
 
     with _serve_metrics(kv, args):
-        report = anyio.run(run)
+        report = run_async(run)
     _write_outputs(args, report, config, path, kv.metrics_registry, requests)
     if report.requests_rejected and not report.requests_finished:
         raise UsageError(

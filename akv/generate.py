@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from akv.argtypes import float_range, int_range, log_level
+from akv.cli_signals import run_async
 
 if TYPE_CHECKING:
     from akv.testing.equivalence import CheckResult
@@ -85,7 +86,6 @@ def main_generate(args: argparse.Namespace, console: Console | None = None) -> i
         args: Parsed options of the sub-parser made by :func:`register`.
         console: Where to print (default: a new rich console on stdout).
     """
-    import anyio
     import torch
 
     console = console or Console()
@@ -96,9 +96,9 @@ def main_generate(args: argparse.Namespace, console: Console | None = None) -> i
     torch.set_num_threads(args.threads)
     try:
         if args.check:
-            results = anyio.run(_run_checks, args)
+            results = run_async(_run_checks, args)
         else:
-            rows = anyio.run(_run_paged, args)
+            rows = run_async(_run_paged, args)
     finally:
         torch.set_num_threads(threads)
     if args.check:

@@ -534,4 +534,6 @@ def test_sigterm_unwinds_the_replay_as_ctrl_c_does_and_exits_143(tmp_path: Path,
     assert proc.returncode == 143, (out, err)
     assert err.strip().splitlines()[-1] == "akv replay: terminated"
     assert "Traceback" not in err
-    assert '"manager.stopped"' in log.read_text()  # the manager was left as on Ctrl-C
+    stopped = [json.loads(line) for line in log.read_text().splitlines() if '"manager.stopped"' in line]
+    assert [e["failed"] for e in stopped] == [False]  # left as on Ctrl-C, not failed by an interrupted handler
+    assert '"actor.crashed"' not in log.read_text()

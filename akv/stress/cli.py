@@ -21,11 +21,11 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-import anyio
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from akv.argtypes import float_range, int_range, log_level, output_path
+from akv.cli_signals import run_async
 from akv.stress.metrics import Metrics
 from akv.stress.options import BACKENDS, FAULTS, POLICIES, StressOptions
 from akv.stress.report import StressReport, print_summary
@@ -275,4 +275,4 @@ def _run(options: StressOptions, progress: Callable[[float, Metrics], None] | No
     async def main() -> StressReport:
         return await run_stress(options, progress=progress)
 
-    return anyio.run(main, backend=backend, backend_options=backend_options)
+    return run_async(main, backend=backend, **backend_options)
