@@ -41,9 +41,14 @@ class ShardCopies:
         """
         if self._room_event is None:
             self._room_event = anyio.Event()
-        if self._schedule is None:
-            self._schedule = loop_scheduler()  # the waiters' loop, for wake-ups from the copy thread
+        self._know_loop()
         return self._room_event
+
+    def _know_loop(self) -> None:
+        """Remember this event loop's thread-safe scheduler, for wake-ups and settling from the copy thread."""
+        if self._schedule is None:
+            with contextlib.suppress(RuntimeError):  # no event loop (a bare handler): the next message settles
+                self._schedule = loop_scheduler()
 
     def _wake_room(self) -> None:
         if self._room_event is not None:
@@ -78,9 +83,7 @@ class ShardCopies:
                 blocks = len(src) + to_host + to_device
                 span.set_attributes({"akv.shard": state.shard_index, "akv.blocks": blocks, "akv.bytes": nbytes})
         self._pinned.append((ticket, src + dst, outcome.transfer))
-        if self._schedule is None:
-            with contextlib.suppress(RuntimeError):  # no event loop (a bare handler): the next message settles
-                self._schedule = loop_scheduler()  # this loop, for the settling once the copy thread is done
+        self._know_loop()
         ticket.add_done_callback(self._copy_done)
         if self.copy_bytes is not None:
             self.copy_bytes.observe(nbytes)
